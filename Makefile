@@ -1,0 +1,36 @@
+# Two set-up commands work on a fresh machine: `make demo` and `make test`.
+# Both create .venv on first use and install the project (CPU torch) into it.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-stamp
+OUT    := out
+
+.PHONY: demo test venv tables bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	# CPU torch: the local 2.13.0 build where this machine has it, else PyTorch's CPU index.
+	$(PY) -m pip install -q torch==2.13.0 || \
+	  $(PY) -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/kvq-codebooks build --default --out $(OUT)/tables
+	$(VENV)/bin/kvq-codebooks show $(OUT)/tables --brief
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+# Regenerate the table set shipped inside the package (tests prove it is byte-identical).
+tables: $(STAMP)
+	$(VENV)/bin/kvq-codebooks build --default --out codebooks/data/default
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_codebooks.py
+
+clean:
+	rm -rf $(OUT) .pytest_cache .hypothesis

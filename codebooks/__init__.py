@@ -1,0 +1,23 @@
+"""Exact Lloyd-Max codebooks for KV-cache quantization, their table files and audits.
+
+Data flow: density -> ``lloyd_max`` -> ``Codebook`` -> ``save_tables`` (manifest.json,
+tables.safetensors, kvq_tables.h) -> quantizers and kernels. This package imports neither
+``kvq_ref`` nor ``gpu``.
+"""
+
+from ._version import TABLE_SCHEMA_VERSION, __version__
+from .audit import AuditReport, audit, distortion
+from .build import default_densities, shipped_tables
+from .codebook import Codebook, ConvergenceError
+from .densities import Density, Empirical, Gaussian, PolarAngle, SphereMarginal
+from .solver import lloyd_max
+from .tables import TableFileError, TableSet, load_tables, save_tables
+
+__all__ = [
+    "__version__", "TABLE_SCHEMA_VERSION",
+    "Density", "SphereMarginal", "Gaussian", "PolarAngle", "Empirical",
+    "Codebook", "ConvergenceError", "lloyd_max",
+    "distortion", "audit", "AuditReport",
+    "save_tables", "load_tables", "TableSet", "TableFileError",
+    "default_densities", "shipped_tables",
+]

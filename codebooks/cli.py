@@ -1,0 +1,158 @@
+"""``kvq-codebooks``: build table sets, audit external tables, show a set.
+
+Examples
+--------
+kvq-codebooks build --default --out out/tables
+kvq-codebooks build --dist sphere --dim 64,128 --bits 1-8 --out DIR
+kvq-codebooks build --dist polar --level 1-4 --bits 1-4 --out DIR
+kvq-codebooks audit --dist sphere --dim 128 --levels "-0.133,-0.04,0.04,0.133"
+kvq-codebooks show DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ._version import __version__
+from .audit import audit
+from .build import build, default_densities, parse_float_list, parse_int_list
+from .densities import Density, Gaussian, PolarAngle, SphereMarginal
+from .tables import TableFileError, load_tables, save_tables
+
+
+def _densities(args, allow_many: bool = True) -> list[Density]:
+    if not args.dist:
+        raise ValueError("--dist is required (sphere, gaussian or polar)")
+    out: list[Density] = []
+    for dist in [s.strip() for s in args.dist.split(",")]:
+        if dist == "sphere":
+            if args.dim is None:
+                raise ValueError("--dist sphere needs --dim (e.g. --dim 64,128)")
+            out += [SphereMarginal(d) for d in parse_int_list(args.dim, "--dim")]
+        elif dist == "gaussian":
+            out += [Gaussian(s) for s in parse_float_list(args.sigma, "--sigma")]
+        elif dist == "polar":
+            if args.level is None:
+                raise ValueError("--dist polar needs --level (e.g. --level 1-4)")
+            out += [PolarAngle(level) for level in parse_int_list(args.level, "--level")]
+        else:
+            raise ValueError(f"--dist must be sphere, gaussian or polar, got {dist!r}")
+    if not allow_many and len(out) != 1:
+        raise ValueError(f"audit needs exactly one density, got {len(out)}")
+    return out
+
+
+def _read_levels(spec: str) -> np.ndarray:
+    """Levels from a file (.npy, .json list, or whitespace/comma-separated text) or a list."""
+    path = Path(spec)
+    if path.is_file():
+        if path.suffix == ".npy":
+            return np.load(path, allow_pickle=False).ravel()
+        text = path.read_text()
+        if path.suffix == ".json":
+            return np.asarray(json.loads(text), dtype=np.float64).ravel()
+        return np.asarray([float(t) for t in text.replace(",", " ").split()], dtype=np.float64)
+    try:
+        return np.asarray([float(t) for t in spec.replace(",", " ").split()], dtype=np.float64)
+    except ValueError:
+        raise ValueError(f"--levels: {spec!r} is neither a file nor a list of numbers") from None
+
+
+def _cmd_build(args) -> int:
+    if args.default:
+        jobs = default_densities()
+    else:
+        bits = parse_int_list(args.bits, "--bits")
+        jobs = [(d, bits) for d in _densities(args)]
+    t0 = time.perf_counter()
+    cbs = build(jobs, progress=None if not args.quiet else False)
+    elapsed = time.perf_counter() - t0
+    folder = save_tables(cbs, args.out)
+    print(f"wrote {len(cbs)} codebooks to {folder} in {elapsed:.2f} s "
+          f"(max residual {max(cb.residual for cb in cbs):.1e})")
+    return 0
+
+
+def _cmd_audit(args) -> int:
+    (density,) = _densities(args, allow_many=False)
+    levels = _read_levels(args.levels)
+    thresholds = _read_levels(args.thresholds) if args.thresholds else None
+    report = audit(density, levels, thresholds)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=1))
+    else:
+        print(report.summary())
+    return 0
+
+
+def _cmd_show(args) -> int:
+    tables = load_tables(args.folder)
+    print(f"{tables.folder}: {len(tables)} codebooks, schema {tables.schema_version}, {tables.generator}")
+    if args.brief:
+        by_density: dict[str, list] = {}
+        for cb in tables.values():
+            by_density.setdefault(repr(cb.density), []).append(cb)
+        for name, cbs in by_density.items():
+            bits = [cb.bits for cb in cbs]
+            unit = [cb.unit_distortion for cb in cbs if cb.unit_distortion is not None]
+            tail = f"  d*mse at {bits[-1]} bits: {unit[-1]:.4g}" if unit else ""
+            print(f"  {name:32s} bits {min(bits)}-{max(bits)}{tail}")
+        return 0
+    print(f"  {'name':24s} {'bits':>4s} {'mse':>14s} {'d*mse':>12s} {'iters':>5s} {'residual':>9s}")
+    for cb in tables.values():
+        ud = f"{cb.unit_distortion:12.6g}" if cb.unit_distortion is not None else f"{'':12s}"
+        print(f"  {cb.name:24s} {cb.bits:4d} {cb.mse:14.8g} {ud} {cb.iterations:5d} {cb.residual:9.1e}")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvq-codebooks", description="Exact Lloyd-Max codebooks and table files.")
+    p.add_argument("--version", action="version", version=f"kvq-codebooks {__version__}")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    def density_args(sp):
+        sp.add_argument("--dist", help="sphere, gaussian or polar (comma-separated for several)")
+        sp.add_argument("--dim", help="sphere dimensions, e.g. 64,128 or 16-32")
+        sp.add_argument("--sigma", default="1.0", help="gaussian standard deviations (default 1.0)")
+        sp.add_argument("--level", help="polar angle levels, e.g. 1-4")
+
+    b = sub.add_parser("build", help="solve tables and write a table set")
+    density_args(b)
+    b.add_argument("--bits", default="1-8", help="bit widths, e.g. 1-8 (default) or 2,3,4")
+    b.add_argument("--default", action="store_true", help="the default set (sphere dims, gaussian, polar)")
+    b.add_argument("--out", required=True, help="output folder")
+    b.add_argument("--quiet", action="store_true", help="no progress bar")
+    b.set_defaults(func=_cmd_build)
+
+    a = sub.add_parser("audit", help="exact excess distortion of a table from elsewhere")
+    density_args(a)
+    a.add_argument("--levels", required=True, help="file (.npy/.json/.txt) or list '-1.5,-0.5,0.5,1.5'")
+    a.add_argument("--thresholds", help="the table's own thresholds (default: midpoints)")
+    a.add_argument("--json", action="store_true", help="print the report as JSON")
+    a.set_defaults(func=_cmd_audit)
+
+    s = sub.add_parser("show", help="list the codebooks of a table set")
+    s.add_argument("folder")
+    s.add_argument("--brief", action="store_true", help="one line per density")
+    s.set_defaults(func=_cmd_show)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point."""
+    args = _parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, TypeError, TableFileError) as exc:
+        print(f"kvq-codebooks {args.cmd}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

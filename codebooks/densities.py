@@ -1,0 +1,628 @@
+"""One-dimensional densities that codebooks are solved for.
+
+Each density is a small frozen dataclass with validated parameters (scipy.stats style):
+``pdf``, ``cdf``, ``sf``, ``mean``, ``second_moment``, ``var`` and exact ``cell_moments(a, b)``
+returning the integrals of ``x**k f(x)`` over ``[a, b]`` for k = 0, 1, 2.
+
+Notes
+-----
+Closed forms (REFERENCE.md section 1):
+
+* ``SphereMarginal(d)``: one coordinate of a uniform point on S^{d-1},
+  ``f_d(x) = C_d (1 - x^2)^{(d-3)/2}`` with ``C_d = Gamma(d/2) / (sqrt(pi) Gamma((d-1)/2))``;
+  ``(X+1)/2 ~ Beta((d-1)/2, (d-1)/2)``, so cell masses are regularized incomplete beta
+  differences (upper tails for x > 0). ``int x f = C_d [(1-a^2)^p - (1-b^2)^p] / (2p)`` with
+  ``p = (d-1)/2`` is evaluated as ``A^p * -expm1(p log(B/A))`` (no cancellation), and
+  ``x^2 (1-x^2)^k = (1-x^2)^k - (1-x^2)^{k+1}`` gives ``m2 = P_d - (d-1)/d * P_{d+2}``.
+* ``Gaussian(sigma)``: ``P = Phi(b) - Phi(a)`` (tail-aware), ``int x phi = phi(a) - phi(b)``
+  (as ``phi(a) * -expm1(-(b^2-a^2)/2)``), ``int x^2 phi = P + a phi(a) - b phi(b)``.
+* ``PolarAngle(level)``: PolarQuant's angle at recursion level l (REFERENCE.md section 6).
+  Level 1 is uniform on [0, 2 pi). For l >= 2, with ``m = 2^(l-1)``,
+  ``f(psi) = Gamma(m) / (2^(m-2) Gamma(m/2)^2) sin^(m-1)(2 psi)`` on [0, pi/2]; ``sin^2 psi``
+  is Beta(m/2, m/2), which gives the mass in closed form and ``Var = psi_1(1 + (m-1)/2) / 8``
+  (trigamma; from the characteristic function of a cos^n density). The first and second
+  moments over a cell have no cancellation-free closed form for large m; they are integrated
+  by Gauss-Legendre in ``theta = 2 psi - pi/2`` where the integrand ``theta^k cos^n theta`` is
+  entire (``codebooks._quad``), exact to rounding.
+* ``Empirical(samples, weights)``: a weighted discrete distribution; cells are half-open
+  ``(a, b]`` (a sample on a threshold belongs to the lower cell, the quantizer's tie rule).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import numpy as np
+from scipy import special
+
+from . import _quad
+from ._validate import check_int, check_positive, finite_array
+
+__all__ = ["Density", "SphereMarginal", "Gaussian", "PolarAngle", "Empirical", "density_from_params"]
+
+MAX_POLAR_LEVEL = 20
+
+
+@dataclass(frozen=True)
+class QuadSpec:
+    """How a continuous density maps onto the Gauss-Legendre engine of ``codebooks._quad``."""
+
+    kind: int
+    n: float
+    logc: float
+    a0: float
+    a1: float
+    t_lo: float
+    t_hi: float
+    hmax: float
+
+    def t_of_x(self, x) -> np.ndarray:
+        """Natural variable t for x, clipped to the support."""
+        u = (np.asarray(x, dtype=np.float64) - self.a0) / self.a1
+        if self.kind == _quad.COS_SIN:
+            return np.arcsin(np.clip(u, -1.0, 1.0))
+        return np.clip(u, self.t_lo, self.t_hi)
+
+    def pdf_x(self, t) -> np.ndarray:
+        """Density in x at the points with natural variable t (strictly inside the support)."""
+        t = np.asarray(t, dtype=np.float64)
+        if self.kind == _quad.GAUSS:
+            logw = -0.5 * t * t
+            jac = np.full_like(t, self.a1)
+        elif self.kind in (_quad.COS_SIN, _quad.COS_LIN):
+            c = np.cos(t)
+            with np.errstate(divide="ignore"):
+                logcos = np.where(np.abs(t) < np.pi / 4, 0.5 * np.log1p(-np.sin(t) ** 2), np.log(c))
+                logw = self.n * logcos if self.n != 0.0 else np.zeros_like(t)
+            jac = self.a1 * (c if self.kind == _quad.COS_SIN else np.ones_like(t))
+        else:
+            logw = np.zeros_like(t)
+            jac = np.full_like(t, self.a1)
+        with np.errstate(divide="ignore"):
+            return np.exp(self.logc + logw) / jac
+
+    def integrals(self, t_lo, t_hi, ref):
+        """P, R, D per cell: integrals of (1, x-ref, (x-ref)^2) f over [t_lo, t_hi] (t units)."""
+        return _quad.cell_integrals(
+            self.kind, self.n, self.logc, self.a0, self.a1,
+            np.ascontiguousarray(t_lo, dtype=np.float64),
+            np.ascontiguousarray(t_hi, dtype=np.float64),
+            np.ascontiguousarray(ref, dtype=np.float64),
+            self.hmax, _quad.NODES, _quad.WEIGHTS,
+        )
+
+
+class Density(ABC):
+    """Base class of the 1-D densities (see module docstring for the math)."""
+
+    kind: ClassVar[str]
+    #: True for ``Empirical``: solved by exact discrete Lloyd instead of Newton.
+    is_discrete: ClassVar[bool] = False
+
+    # --- description -------------------------------------------------------------------
+    @property
+    @abstractmethod
+    def support(self) -> tuple[float, float]:
+        """(lo, hi) of the support."""
+
+    @property
+    def center(self) -> float | None:
+        """Centre of symmetry, or None for an asymmetric density."""
+        return None
+
+    @property
+    @abstractmethod
+    def mean(self) -> float:
+        """E[X]."""
+
+    @property
+    @abstractmethod
+    def var(self) -> float:
+        """Var[X]."""
+
+    @property
+    def second_moment(self) -> float:
+        """E[X^2]."""
+        return self.var + self.mean**2
+
+    @property
+    def scale(self) -> float:
+        """Standard deviation, the unit for relative tolerances."""
+        return math.sqrt(self.var)
+
+    @abstractmethod
+    def params(self) -> dict:
+        """JSON-serialisable parameters (what the table manifest records)."""
+
+    @property
+    @abstractmethod
+    def label(self) -> str:
+        """Short identifier used in table names, e.g. ``sphere_d128``."""
+
+    # --- distribution functions ---------------------------------------------------------
+    @abstractmethod
+    def cdf(self, x) -> np.ndarray:
+        """P(X <= x)."""
+
+    @abstractmethod
+    def sf(self, x) -> np.ndarray:
+        """P(X > x), accurate in the upper tail."""
+
+    def _mass(self, a, b) -> np.ndarray:
+        """P(a < X <= b) from tail-aware CDF differences (no 1 - 1 cancellation in tails)."""
+        lo, hi = self.support
+        a = np.clip(np.asarray(a, dtype=np.float64), lo, hi)
+        b = np.clip(np.asarray(b, dtype=np.float64), lo, hi)
+        c = self.center if self.center is not None else self.mean
+        upper = self.sf(a) - self.sf(b)
+        lower = self.cdf(b) - self.cdf(a)
+        mid = 1.0 - self.cdf(a) - self.sf(b)
+        out = np.where(a >= c, upper, np.where(b <= c, lower, mid))
+        return np.where(b > a, np.maximum(out, 0.0), 0.0)
+
+    @abstractmethod
+    def cell_moments(self, a, b) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Exact ``(int f, int x f, int x^2 f)`` over ``[a, b]`` (arrays broadcast).
+
+        Parameters
+        ----------
+        a, b : array_like of float
+            Cell ends; values outside the support are clipped to it.
+
+        Returns
+        -------
+        m0, m1, m2 : ndarray of float64
+        """
+
+    # --- solver hooks -------------------------------------------------------------------
+    def _quad(self) -> QuadSpec:  # pragma: no cover - overridden by continuous densities
+        raise TypeError(f"{type(self).__name__} has no quadrature form")
+
+    @abstractmethod
+    def _compander(self, p) -> np.ndarray:
+        """Quantiles of the normalised f^(1/3) (Panter-Dite point density): initial levels."""
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.params().items())
+        return f"{type(self).__name__}({args})"
+
+
+def _pow_diff(A, B, p):
+    """A^p - B^p for A, B >= 0, p > 0, with relative accuracy (no cancellation)."""
+    A = np.asarray(A, dtype=np.float64)
+    B = np.asarray(B, dtype=np.float64)
+    hi = np.maximum(A, B)
+    lo = np.minimum(A, B)
+    sign = np.where(A >= B, 1.0, -1.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio_log = np.log1p((lo - hi) / hi)
+        val = hi**p * -np.expm1(p * ratio_log)
+    return np.where(hi > 0.0, sign * val, 0.0)
+
+
+@dataclass(frozen=True, repr=False)
+class SphereMarginal(Density):
+    """One coordinate of a uniform point on the unit sphere S^{d-1} in R^d.
+
+    Parameters
+    ----------
+    d : int
+        Dimension, ``d >= 2``. d=2 is the arcsine density, d=3 the uniform on [-1, 1].
+    """
+
+    d: int
+    kind: ClassVar[str] = "sphere"
+
+    def __post_init__(self):
+        object.__setattr__(self, "d", check_int("d", self.d, lo=2))
+
+    @property
+    def support(self):
+        return (-1.0, 1.0)
+
+    @property
+    def center(self):
+        return 0.0
+
+    @property
+    def mean(self):
+        return 0.0
+
+    @property
+    def var(self):
+        return 1.0 / self.d
+
+    def params(self):
+        return {"d": self.d}
+
+    @property
+    def label(self):
+        return f"sphere_d{self.d}"
+
+    @property
+    def _logc(self) -> float:
+        d = self.d
+        return math.lgamma(d / 2) - 0.5 * math.log(math.pi) - math.lgamma((d - 1) / 2)
+
+    def pdf(self, x):
+        x = np.asarray(x, dtype=np.float64)
+        k = (self.d - 3) / 2
+        inside = np.abs(x) < 1.0
+        with np.errstate(divide="ignore", invalid="ignore"):
+            val = np.exp(self._logc + k * np.log1p(-x * x))
+        edge = np.abs(x) == 1.0
+        edge_val = np.inf if self.d == 2 else (math.exp(self._logc) if self.d == 3 else 0.0)
+        return np.where(inside, val, np.where(edge, edge_val, 0.0))
+
+    def _cdf_beta(self, x, a):
+        x = np.clip(np.asarray(x, dtype=np.float64), -1.0, 1.0)
+        lower = special.betainc(a, a, 0.5 * (1.0 + x))
+        upper = special.betainc(a, a, 0.5 * (1.0 - x))
+        return np.where(x <= 0.0, lower, 1.0 - upper)
+
+    def _sf_beta(self, x, a):
+        x = np.clip(np.asarray(x, dtype=np.float64), -1.0, 1.0)
+        lower = special.betainc(a, a, 0.5 * (1.0 + x))
+        upper = special.betainc(a, a, 0.5 * (1.0 - x))
+        return np.where(x >= 0.0, upper, 1.0 - lower)
+
+    def cdf(self, x):
+        return self._cdf_beta(x, (self.d - 1) / 2)
+
+    def sf(self, x):
+        return self._sf_beta(x, (self.d - 1) / 2)
+
+    def cell_moments(self, a, b):
+        a = np.clip(np.asarray(a, dtype=np.float64), -1.0, 1.0)
+        b = np.clip(np.asarray(b, dtype=np.float64), -1.0, 1.0)
+        a, b = np.broadcast_arrays(a, b)
+        m0 = self._mass(a, b)
+        p = (self.d - 1) / 2
+        A = (1.0 - a) * (1.0 + a)
+        B = (1.0 - b) * (1.0 + b)
+        m1 = math.exp(self._logc) / (2 * p) * _pow_diff(A, B, p)
+        m1 = np.where(b > a, m1, 0.0)
+        wider = SphereMarginal(self.d + 2)
+        m2 = m0 - (self.d - 1) / self.d * wider._mass(a, b)
+        return m0, m1, np.maximum(m2, 0.0)
+
+    def _quad(self):
+        return QuadSpec(_quad.COS_SIN, float(self.d - 2), self._logc, 0.0, 1.0,
+                        -math.pi / 2, math.pi / 2, 0.5)
+
+    def _compander(self, p):
+        # f^(1/3) ~ (1-x^2)^{(d-3)/6}: (1+x)/2 ~ Beta(a', a') with a' = (d+3)/6
+        p = np.asarray(p, dtype=np.float64)
+        a = (self.d + 3) / 6
+        lo = 2.0 * special.betaincinv(a, a, p) - 1.0
+        hi = 1.0 - 2.0 * special.betaincinv(a, a, 1.0 - p)
+        return np.where(p <= 0.5, lo, hi)
+
+
+def _std_normal_pdf(z):
+    """phi(z), with phi(+-inf) = 0."""
+    finite = np.isfinite(z)
+    zf = np.where(finite, z, 0.0)
+    return np.where(finite, np.exp(-0.5 * zf * zf), 0.0) / math.sqrt(2 * math.pi)
+
+
+@dataclass(frozen=True, repr=False)
+class Gaussian(Density):
+    """Normal density N(0, sigma^2).
+
+    Parameters
+    ----------
+    sigma : float
+        Standard deviation, finite and > 0.
+    """
+
+    sigma: float = 1.0
+    kind: ClassVar[str] = "gaussian"
+
+    def __post_init__(self):
+        object.__setattr__(self, "sigma", check_positive("sigma", self.sigma))
+
+    @property
+    def support(self):
+        return (-math.inf, math.inf)
+
+    @property
+    def center(self):
+        return 0.0
+
+    @property
+    def mean(self):
+        return 0.0
+
+    @property
+    def var(self):
+        return self.sigma**2
+
+    def params(self):
+        return {"sigma": self.sigma}
+
+    @property
+    def label(self):
+        if self.sigma == 1.0:
+            return "gaussian"
+        # identifier-safe (C header names): 0.5 -> 0p5, 1e-05 -> 1em05
+        return "gaussian_s" + repr(self.sigma).replace(".", "p").replace("-", "m").replace("+", "")
+
+    def pdf(self, x):
+        z = np.asarray(x, dtype=np.float64) / self.sigma
+        return np.exp(-0.5 * z * z) / (self.sigma * math.sqrt(2 * math.pi))
+
+    def cdf(self, x):
+        return special.ndtr(np.asarray(x, dtype=np.float64) / self.sigma)
+
+    def sf(self, x):
+        return special.ndtr(-np.asarray(x, dtype=np.float64) / self.sigma)
+
+    def cell_moments(self, a, b):
+        s = self.sigma
+        za = np.asarray(a, dtype=np.float64) / s
+        zb = np.asarray(b, dtype=np.float64) / s
+        za, zb = np.broadcast_arrays(za, zb)
+        m0 = self._mass(za * s, zb * s)
+        pa, pb = _std_normal_pdf(za), _std_normal_pdf(zb)
+        with np.errstate(invalid="ignore", over="ignore"):
+            # phi(a) - phi(b) = phi(a) * -expm1(-(b^2 - a^2)/2) when |b| > |a| (and mirrored)
+            d2 = (zb - za) * (zb + za)
+            first = np.where(np.abs(zb) >= np.abs(za),
+                             pa * -np.expm1(-0.5 * np.where(np.isfinite(d2), d2, np.inf)),
+                             -pb * -np.expm1(0.5 * np.where(np.isfinite(d2), d2, -np.inf)))
+            ta = np.where(np.isfinite(za), za * pa, 0.0)
+            tb = np.where(np.isfinite(zb), zb * pb, 0.0)
+        m1 = s * np.where(zb > za, first, 0.0)
+        m2 = s * s * np.where(zb > za, m0 + ta - tb, 0.0)
+        return m0, m1, np.maximum(m2, 0.0)
+
+    def _quad(self):
+        return QuadSpec(_quad.GAUSS, 0.0, -0.5 * math.log(2 * math.pi), 0.0, self.sigma,
+                        -math.inf, math.inf, 1.0)
+
+    def _compander(self, p):
+        # f^(1/3) is N(0, 3 sigma^2)
+        return math.sqrt(3.0) * self.sigma * special.ndtri(np.asarray(p, dtype=np.float64))
+
+
+@dataclass(frozen=True, repr=False)
+class PolarAngle(Density):
+    """PolarQuant's angle density at recursion level ``level`` (REFERENCE.md section 6).
+
+    Parameters
+    ----------
+    level : int
+        1..20. Level 1 angles ``atan2(x_2j, x_2j-1)`` are uniform on [0, 2 pi); level l >= 2
+        angles ``atan(|right half| / |left half|)`` over 2^(l-1) coordinates per half lie in
+        [0, pi/2] with density proportional to ``sin^(2^(l-1) - 1)(2 psi)``.
+    """
+
+    level: int
+    kind: ClassVar[str] = "polar"
+
+    def __post_init__(self):
+        object.__setattr__(self, "level", check_int("level", self.level, 1, MAX_POLAR_LEVEL))
+
+    @property
+    def _m(self) -> int:
+        return 2 ** (self.level - 1)
+
+    @property
+    def _n(self) -> float:
+        return float(self._m - 1)
+
+    @property
+    def support(self):
+        return (0.0, 2 * math.pi) if self.level == 1 else (0.0, math.pi / 2)
+
+    @property
+    def center(self):
+        return math.pi if self.level == 1 else math.pi / 4
+
+    @property
+    def mean(self):
+        return self.center
+
+    @property
+    def var(self):
+        if self.level == 1:
+            return math.pi**2 / 3
+        return float(special.polygamma(1, 1.0 + self._n / 2)) / 8.0
+
+    def params(self):
+        return {"level": self.level}
+
+    @property
+    def label(self):
+        return f"polar_l{self.level}"
+
+    @property
+    def _logk(self) -> float:
+        m = self._m
+        return math.lgamma(m) - (m - 2) * math.log(2.0) - 2 * math.lgamma(m / 2)
+
+    def pdf(self, x):
+        x = np.asarray(x, dtype=np.float64)
+        lo, hi = self.support
+        inside = (x >= lo) & (x <= hi)
+        if self.level == 1:
+            return np.where(inside, 1.0 / (2 * math.pi), 0.0)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            s = np.sin(2 * np.clip(x, lo, hi))
+            val = np.exp(self._logk + self._n * np.log(s))
+        return np.where(inside, np.nan_to_num(val, nan=0.0, posinf=0.0), 0.0)
+
+    def cdf(self, x):
+        lo, hi = self.support
+        x = np.clip(np.asarray(x, dtype=np.float64), lo, hi)
+        if self.level == 1:
+            return x / (2 * math.pi)
+        a = self._m / 2
+        lower = special.betainc(a, a, np.sin(x) ** 2)
+        upper = special.betainc(a, a, np.cos(x) ** 2)
+        return np.where(x <= math.pi / 4, lower, 1.0 - upper)
+
+    def sf(self, x):
+        lo, hi = self.support
+        x = np.clip(np.asarray(x, dtype=np.float64), lo, hi)
+        if self.level == 1:
+            return (2 * math.pi - x) / (2 * math.pi)
+        a = self._m / 2
+        lower = special.betainc(a, a, np.sin(x) ** 2)
+        upper = special.betainc(a, a, np.cos(x) ** 2)
+        return np.where(x >= math.pi / 4, upper, 1.0 - lower)
+
+    def cell_moments(self, a, b):
+        lo, hi = self.support
+        a = np.clip(np.asarray(a, dtype=np.float64), lo, hi)
+        b = np.clip(np.asarray(b, dtype=np.float64), lo, hi)
+        a, b = np.broadcast_arrays(a, b)
+        if self.level == 1:
+            w = np.where(b > a, 1.0 / (2 * math.pi), 0.0)
+            return w * (b - a), w * (b * b - a * a) / 2, w * (b**3 - a**3) / 3
+        m0 = self._mass(a, b)
+        q = self._quad()
+        shape = a.shape
+        _, m1, m2 = q.integrals(q.t_of_x(a.ravel()), q.t_of_x(b.ravel()), np.zeros(a.size))
+        return m0, m1.reshape(shape), m2.reshape(shape)
+
+    def _quad(self):
+        if self.level == 1:
+            return QuadSpec(_quad.UNIFORM, 0.0, -math.log(2 * math.pi), 0.0, 1.0,
+                            0.0, 2 * math.pi, math.inf)
+        # theta = 2 psi - pi/2: f_theta = (K_m / 2) cos^(m-1) theta, psi = pi/4 + theta/2
+        return QuadSpec(_quad.COS_LIN, self._n, self._logk - math.log(2.0), math.pi / 4, 0.5,
+                        -math.pi / 2, math.pi / 2, 0.5)
+
+    def _compander(self, p):
+        p = np.asarray(p, dtype=np.float64)
+        if self.level == 1:
+            return 2 * math.pi * p
+        # f^(1/3) ~ sin^(n/3)(2 psi): sin^2 psi ~ Beta(a', a') with a' = (n/3 + 1)/2
+        a = (self._n / 3 + 1) / 2
+        lo = np.arcsin(np.sqrt(special.betaincinv(a, a, p)))
+        hi = math.pi / 2 - np.arcsin(np.sqrt(special.betaincinv(a, a, 1.0 - p)))
+        return np.where(p <= 0.5, lo, hi)
+
+
+@dataclass(frozen=True, repr=False, eq=False)
+class Empirical(Density):
+    """Weighted empirical distribution of 1-D samples, for data-driven codebooks.
+
+    Parameters
+    ----------
+    samples : array_like, shape (n,)
+        Finite real samples with at least two distinct values.
+    weights : array_like, shape (n,), optional
+        Non-negative finite weights with a positive sum (default: equal weights).
+
+    Notes
+    -----
+    Duplicates are merged: ``values`` (sorted, unique), ``masses`` (their summed weights) and
+    ``probs = masses / masses.sum()`` hold the distribution; ``Empirical(values, masses)``
+    rebuilds it bit for bit (this is what table files store). Cells are half-open ``(a, b]``.
+    """
+
+    samples: np.ndarray
+    weights: np.ndarray | None = None
+    values: np.ndarray = field(init=False)
+    masses: np.ndarray = field(init=False)
+    probs: np.ndarray = field(init=False)
+    kind: ClassVar[str] = "empirical"
+    is_discrete: ClassVar[bool] = True
+
+    def __post_init__(self):
+        x = finite_array("samples", self.samples, ndim=1, min_size=1)
+        if self.weights is None:
+            w = np.ones_like(x)
+        else:
+            w = finite_array("weights", self.weights, ndim=1, min_size=1)
+            if w.shape != x.shape:
+                raise ValueError(f"weights must have the shape of samples {x.shape}, got {w.shape}")
+            if np.any(w < 0):
+                raise ValueError("weights must be >= 0")
+        keep = w > 0
+        values, inverse = np.unique(x[keep], return_inverse=True)
+        if values.size < 2:
+            raise ValueError(
+                "samples must contain at least 2 distinct values with positive weight "
+                f"(got {values.size}); a constant sample has no codebook to solve"
+            )
+        masses = np.bincount(inverse, weights=w[keep], minlength=values.size)
+        probs = masses / masses.sum()
+        for name, arr in (("samples", x), ("weights", w), ("values", values), ("masses", masses),
+                          ("probs", probs)):
+            arr.setflags(write=False)
+            object.__setattr__(self, name, arr)
+
+    def __eq__(self, other):
+        return (isinstance(other, Empirical) and np.array_equal(self.values, other.values)
+                and np.array_equal(self.masses, other.masses))
+
+    __hash__ = None  # type: ignore[assignment]
+
+    @property
+    def digest(self) -> str:
+        """sha256 of (values, masses) as little-endian float64: identifies the distribution."""
+        h = hashlib.sha256()
+        h.update(self.values.astype("<f8").tobytes())
+        h.update(self.masses.astype("<f8").tobytes())
+        return h.hexdigest()
+
+    @property
+    def support(self):
+        return (float(self.values[0]), float(self.values[-1]))
+
+    @property
+    def mean(self):
+        return float(np.dot(self.probs, self.values))
+
+    @property
+    def var(self):
+        return float(np.dot(self.probs, (self.values - self.mean) ** 2))
+
+    def params(self):
+        return {"n_values": int(self.values.size), "sha256": self.digest}
+
+    @property
+    def label(self):
+        return f"empirical_{self.digest[:12]}"
+
+    def cdf(self, x):
+        c = np.concatenate([[0.0], np.cumsum(self.probs)])
+        return c[np.searchsorted(self.values, np.asarray(x, dtype=np.float64), side="right")]
+
+    def sf(self, x):
+        c = np.concatenate([np.cumsum(self.probs[::-1])[::-1], [0.0]])
+        return c[np.searchsorted(self.values, np.asarray(x, dtype=np.float64), side="right")]
+
+    def cell_moments(self, a, b):
+        a, b = np.broadcast_arrays(np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64))
+        ia = np.searchsorted(self.values, a.ravel(), side="right")
+        ib = np.searchsorted(self.values, b.ravel(), side="right")
+        out = np.zeros((3, a.size))
+        for j, (lo, hi) in enumerate(zip(ia, ib)):
+            if hi > lo:
+                v, p = self.values[lo:hi], self.probs[lo:hi]
+                out[:, j] = (p.sum(), np.dot(p, v), np.dot(p, v * v))
+        return tuple(o.reshape(a.shape) for o in out)
+
+    def _compander(self, p):
+        cum = np.cumsum(self.probs)
+        idx = np.searchsorted(cum, np.asarray(p, dtype=np.float64) * cum[-1])
+        return self.values[np.clip(idx, 0, self.values.size - 1)]
+
+
+_KINDS = {cls.kind: cls for cls in (SphereMarginal, Gaussian, PolarAngle)}
+
+
+def density_from_params(kind: str, params: dict) -> Density:
+    """Rebuild a continuous density from the ``(kind, params)`` a manifest records."""
+    if kind not in _KINDS:
+        raise ValueError(f"unknown density kind {kind!r}; expected one of {sorted(_KINDS)}")
+    return _KINDS[kind](**params)

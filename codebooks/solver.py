@@ -1,0 +1,299 @@
+"""Exact Lloyd-Max solver: safeguarded Newton on the centroid conditions.
+
+Notes
+-----
+For levels ``c_1 < ... < c_K`` with thresholds ``t_i = (c_i + c_{i+1}) / 2`` (``t_0``, ``t_K`` the
+support ends) the stationarity conditions of ``D(c) = sum_i int_{t_{i-1}}^{t_i} (x - c_i)^2 f`` are
+
+    F_i(c) = c_i P_i - M_i = 0,       P_i = int_cell f,  M_i = int_cell x f,
+
+i.e. ``F = grad D / 2``. Its Jacobian (half the Hessian of D) is symmetric tridiagonal:
+
+    J_ii     = P_i - f(t_i) (c_{i+1} - c_i) / 4 - f(t_{i-1}) (c_i - c_{i-1}) / 4,
+    J_i,i+1  = -f(t_i) (c_{i+1} - c_i) / 4.
+
+Newton's step solves ``J delta = -F`` in O(K). Plain Lloyd (``c <- M/P``) converges linearly with
+a rate that tends to 1 as K grows (REFERENCE.md section 2: ~140k iterations at 8 bits); Newton
+converges quadratically from the Panter-Dite compander start (levels at quantiles of f^(1/3)).
+Safeguards: the step is halved until the levels stay ordered inside the support and D does not
+increase beyond rounding; if J is not positive definite or no step is accepted, one Lloyd step is
+taken (it never increases D). Symmetric densities are solved on their upper half (K/2 unknowns,
+threshold fixed at the centre) and mirrored, which makes the tables exactly symmetric.
+
+Cell integrals come from ``codebooks._quad`` relative to each level, so the residual
+``max_i |R_i / P_i| / std`` (``R_i = M_i - c_i P_i``) is computed without cancellation and Newton
+can drive it to ~1e-16. For log-concave densities (Gaussian, sphere d >= 3, polar angles) the
+stationary point is the unique optimum (Fleischer 1964); d = 2 is solved the same way and the
+tests check it against an independent high-precision solve.
+
+Empirical densities are solved by Lloyd's algorithm on the sorted unique values until the
+partition no longer changes (an exact fixed point: every level is the mean of its cell).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+
+from ._quad import tridiagonal_solve
+from ._validate import check_bits
+from .codebook import Codebook, ConvergenceError
+from .densities import Density, Empirical, QuadSpec
+
+__all__ = ["lloyd_max", "DEFAULT_TOL"]
+
+#: Converged means max_i |c_i - centroid_i| <= DEFAULT_TOL * std(X).
+DEFAULT_TOL = 1e-13
+_EPS = np.finfo(np.float64).eps
+_POLISH_STEPS = 3
+
+
+def lloyd_max(density: Density, bits: int, *, tol: float = DEFAULT_TOL, max_iter: int = 200) -> Codebook:
+    """Solve the Lloyd-Max (minimum-MSE fixed-rate scalar) codebook of ``density``.
+
+    Parameters
+    ----------
+    density : Density
+        ``SphereMarginal``, ``Gaussian``, ``PolarAngle`` or ``Empirical``.
+    bits : int
+        1..12; the table has ``2**bits`` levels.
+    tol : float
+        Convergence tolerance on the centroid residual relative to ``density.scale``.
+    max_iter : int
+        Iteration cap (Newton steps; for ``Empirical``, Lloyd steps times 1000).
+
+    Returns
+    -------
+    Codebook
+
+    Raises
+    ------
+    ConvergenceError
+        If the residual does not reach ``tol``; no table is returned.
+    ValueError, TypeError
+        On invalid arguments.
+    """
+    if not isinstance(density, Density):
+        raise TypeError(f"density must be a Density, got {type(density).__name__}")
+    bits = check_bits(bits)
+    if not (isinstance(tol, float | int) and not isinstance(tol, bool) and 0 < tol < 1e-3):
+        raise ValueError(f"tol must be a number in (0, 1e-3), got {tol!r}")
+    if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 1:
+        raise ValueError(f"max_iter must be an integer >= 1, got {max_iter!r}")
+    if isinstance(density, Empirical):
+        return _solve_empirical(density, bits, float(tol), max_iter * 1000)
+    return _solve_continuous(density, bits, float(tol), max_iter)
+
+
+# ---------------------------------------------------------------------------------------------
+# continuous densities
+
+
+def _evaluate(q: QuadSpec, lo: float, hi: float, c: np.ndarray):
+    """Cell integrals about the levels and the density at the interior thresholds."""
+    t_mid = 0.5 * (c[:-1] + c[1:])
+    edges = q.t_of_x(np.concatenate([[lo], t_mid, [hi]]))
+    P, R, D = q.integrals(edges[:-1], edges[1:], c)
+    f = q.pdf_x(edges[1:-1])
+    return P, R, D, f
+
+
+def _newton_step(P, R, f, c):
+    """Newton direction for F = -R; returns (delta, positive_definite)."""
+    gap = np.diff(c)
+    diag = P.copy()
+    diag[:-1] -= 0.25 * f * gap
+    diag[1:] -= 0.25 * f * gap
+    off = -0.25 * f * gap
+    delta, min_pivot = tridiagonal_solve(diag, off, R)
+    return delta, bool(min_pivot > 0.0 and np.all(np.isfinite(delta)))
+
+
+def _valid(c, lo, hi):
+    return bool(np.all(np.isfinite(c)) and np.all(np.diff(c) > 0) and c[0] > lo and c[-1] < hi)
+
+
+def _solve_half(q: QuadSpec, lo: float, hi: float, c: np.ndarray, scale: float, tol: float, max_iter: int):
+    """Safeguarded Newton for K levels on [lo, hi] with both ends fixed.
+
+    Returns (levels, residual, distortion over [lo, hi], iterations).
+    """
+    P, R, D, f = _evaluate(q, lo, hi, c)
+    best = None
+    prev = math.inf
+    polish = 0
+    for it in range(max_iter + 1):
+        if np.any(P <= 0.0):
+            raise ConvergenceError("a cell lost all probability mass during the solve")
+        res = float(np.max(np.abs(R / P))) / scale
+        if best is None or res < best[0]:
+            best = (res, c, float(np.sum(D)), it)
+        if res <= tol:
+            # a few more quadratic steps push the residual down to the rounding floor
+            if polish >= _POLISH_STEPS or res >= prev or res < 4 * _EPS:
+                break
+            polish += 1
+        if it == max_iter:
+            break
+        prev = res
+        dtot = float(np.sum(D))
+        delta, pd = _newton_step(P, R, f, c)
+        accepted = False
+        alpha = 1.0
+        while pd and alpha >= 2.0**-30:
+            trial = c + alpha * delta
+            if _valid(trial, lo, hi):
+                tP, tR, tD, tf = _evaluate(q, lo, hi, trial)
+                if np.all(tP > 0.0) and np.sum(tD) <= dtot * (1.0 + 64 * _EPS):
+                    c, P, R, D, f = trial, tP, tR, tD, tf
+                    accepted = True
+                    break
+            alpha *= 0.5
+        if not accepted:
+            # Lloyd step: move every level to its centroid; never increases D
+            c = c + R / P
+            P, R, D, f = _evaluate(q, lo, hi, c)
+    res, c, dist, iters = best
+    if res > tol:
+        raise ConvergenceError(
+            f"Lloyd-Max did not converge: residual {res:.3e} > tol {tol:.1e} after {max_iter} iterations"
+        )
+    return c, res, dist, iters
+
+
+def _solve_continuous(density: Density, bits: int, tol: float, max_iter: int) -> Codebook:
+    q = density._quad()
+    lo, hi = density.support
+    k = 2**bits
+    center = density.center
+    if center is None:  # asymmetric density: all K levels at once
+        c0 = density._compander((np.arange(k) + 0.5) / k)
+        levels, res, mse, iters = _solve_half(q, lo, hi, c0, density.scale, tol, max_iter)
+        thresholds = 0.5 * (levels[:-1] + levels[1:])
+    else:  # symmetric: solve the upper half with the centre threshold fixed, then mirror
+        c0 = density._compander(0.5 + (np.arange(k // 2) + 0.5) / k)
+        c, res, half_mse, iters = _solve_half(q, center, hi, c0, density.scale, tol, max_iter)
+        half_t = 0.5 * (c[:-1] + c[1:])
+        levels = np.concatenate([2 * center - c[::-1], c])
+        thresholds = np.concatenate([2 * center - half_t[::-1], [center], half_t])
+        mse = 2.0 * half_mse
+    return Codebook(levels=levels, thresholds=thresholds, mse=mse, density=density, bits=bits,
+                    solver="newton-tridiagonal", iterations=iters, residual=res)
+
+
+# ---------------------------------------------------------------------------------------------
+# empirical densities
+
+
+@njit(cache=True)
+def _lloyd_discrete(values, probs, c, max_iter):
+    """Lloyd on sorted unique ``values`` until the partition is stable.
+
+    Cells are (t_{i-1}, t_i] with t_i the midpoints of ``c``. An empty cell's level is moved to the
+    value with the largest weighted error (this strictly lowers D, so the loop terminates).
+    Returns (levels, iterations, converged).
+    """
+    n = values.shape[0]
+    k = c.shape[0]
+    mean = 0.0
+    for j in range(n):
+        mean += probs[j] * values[j]
+    cum_p = np.zeros(n + 1)
+    cum_m = np.zeros(n + 1)
+    for j in range(n):
+        cum_p[j + 1] = cum_p[j] + probs[j]
+        cum_m[j + 1] = cum_m[j] + probs[j] * (values[j] - mean)
+    bounds = np.zeros(k + 1, dtype=np.int64)
+    prev = np.full(k + 1, -1, dtype=np.int64)
+    bounds[k] = n
+    for it in range(1, max_iter + 1):
+        for i in range(k - 1):
+            bounds[i + 1] = np.searchsorted(values, 0.5 * (c[i] + c[i + 1]), side="right")
+        same = True
+        for i in range(k + 1):
+            if bounds[i] != prev[i]:
+                same = False
+        if same:
+            return c, it - 1, True
+        prev[:] = bounds
+        empty = -1
+        for i in range(k):
+            lo = bounds[i]
+            hi = bounds[i + 1]
+            if hi > lo:
+                c[i] = mean + (cum_m[hi] - cum_m[lo]) / (cum_p[hi] - cum_p[lo])
+            else:
+                empty = i
+        if empty >= 0:
+            worst = 0
+            worst_err = -1.0
+            cell = 0
+            for j in range(n):
+                while cell < k - 1 and j >= bounds[cell + 1]:
+                    cell += 1
+                err = probs[j] * (values[j] - c[cell]) ** 2
+                if err > worst_err:
+                    worst_err = err
+                    worst = j
+            c[empty] = values[worst]
+            c.sort()
+            prev[:] = -1
+    return c, max_iter, False
+
+
+@njit(cache=True)
+def _cell_sums(values, probs, c):
+    """Exact per-cell P, R = sum p (v - c_i), D = sum p (v - c_i)^2 by direct summation."""
+    k = c.shape[0]
+    P = np.zeros(k)
+    R = np.zeros(k)
+    D = np.zeros(k)
+    cell = 0
+    for j in range(values.shape[0]):
+        while cell < k - 1 and values[j] > 0.5 * (c[cell] + c[cell + 1]):
+            cell += 1
+        dv = values[j] - c[cell]
+        P[cell] += probs[j]
+        R[cell] += probs[j] * dv
+        D[cell] += probs[j] * dv * dv
+    return P, R, D
+
+
+def _solve_empirical(density: Empirical, bits: int, tol: float, max_iter: int) -> Codebook:
+    values, probs = density.values, density.probs
+    k = 2**bits
+    if k > values.size:
+        raise ValueError(
+            f"bits={bits} needs at least 2**bits={k} distinct sample values; "
+            f"the Empirical density has {values.size}"
+        )
+    # initial levels: distinct values at the probability quantiles (j + 1/2)/K
+    idx = np.clip(np.searchsorted(np.cumsum(probs), (np.arange(k) + 0.5) / k), 0, values.size - 1)
+    for i in range(1, k):  # strictly increasing picks that still fit below n
+        idx[i] = max(idx[i], idx[i - 1] + 1)
+    c = values[np.minimum(idx, values.size - k + np.arange(k))].copy()
+    total = 0
+    while True:
+        c, iters, ok = _lloyd_discrete(values, probs, c, max_iter)
+        total += iters
+        if not ok or total > max_iter:
+            raise ConvergenceError(f"discrete Lloyd did not reach a stable partition in {max_iter} iterations")
+        # the loop used prefix sums; recentre each level on its cell by direct summation
+        P, R, _ = _cell_sums(values, probs, c)
+        exact = c + R / P
+        if np.array_equal(_partition(values, exact), _partition(values, c)):
+            c = exact
+            break
+        c = exact  # rounding moved a sample across a threshold: continue from the exact levels
+    P, R, D = _cell_sums(values, probs, c)
+    res = float(np.max(np.abs(R / P))) / density.scale
+    if res > tol or not np.all(np.diff(c) > 0):
+        raise ConvergenceError(f"discrete Lloyd residual {res:.3e} > tol {tol:.1e}")
+    return Codebook(levels=c, thresholds=0.5 * (c[:-1] + c[1:]), mse=float(np.sum(D)), density=density,
+                    bits=bits, solver="lloyd-discrete", iterations=total, residual=res)
+
+
+def _partition(values, c):
+    return np.searchsorted(values, 0.5 * (c[:-1] + c[1:]), side="right")
