@@ -5,7 +5,7 @@ Examples
 kvq-codebooks build --default --out out/tables
 kvq-codebooks build --dist sphere --dim 64,128 --bits 1-8 --out DIR
 kvq-codebooks build --dist polar --level 1-4 --bits 1-4 --out DIR
-kvq-codebooks audit --dist sphere --dim 128 --levels "-0.133,-0.04,0.04,0.133"
+kvq-codebooks audit --dist sphere --dim 128 --levels=-0.133,-0.04,0.04,0.133
 kvq-codebooks show DIR
 """
 
@@ -132,7 +132,7 @@ def _parser() -> argparse.ArgumentParser:
 
     a = sub.add_parser("audit", help="exact excess distortion of a table from elsewhere")
     density_args(a)
-    a.add_argument("--levels", required=True, help="file (.npy/.json/.txt) or list '-1.5,-0.5,0.5,1.5'")
+    a.add_argument("--levels", required=True, help="file (.npy/.json/.txt) or a list; write --levels=-1.5,-0.5,0.5,1.5 when it starts with '-'")
     a.add_argument("--thresholds", help="the table's own thresholds (default: midpoints)")
     a.add_argument("--json", action="store_true", help="print the report as JSON")
     a.set_defaults(func=_cmd_audit)

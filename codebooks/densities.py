@@ -12,10 +12,13 @@ Closed forms (REFERENCE.md section 1):
   ``f_d(x) = C_d (1 - x^2)^{(d-3)/2}`` with ``C_d = Gamma(d/2) / (sqrt(pi) Gamma((d-1)/2))``;
   ``(X+1)/2 ~ Beta((d-1)/2, (d-1)/2)``, so cell masses are regularized incomplete beta
   differences (upper tails for x > 0). ``int x f = C_d [(1-a^2)^p - (1-b^2)^p] / (2p)`` with
-  ``p = (d-1)/2`` is evaluated as ``A^p * -expm1(p log(B/A))`` (no cancellation), and
-  ``x^2 (1-x^2)^k = (1-x^2)^k - (1-x^2)^{k+1}`` gives ``m2 = P_d - (d-1)/d * P_{d+2}``.
+  ``p = (d-1)/2`` is evaluated as ``A^p * -expm1(p log(B/A))`` (no cancellation). For the second
+  moment, ``x^2 f`` on [0, u] integrates to ``I_{u^2}(3/2, (d-1)/2) / (2d)`` (X^2 is
+  Beta(1/2, (d-1)/2); its size-biased law is Beta(3/2, (d-1)/2)), one positive term per side of 0
+  (the identity ``x^2 (1-x^2)^k = (1-x^2)^k - (1-x^2)^{k+1}`` of REFERENCE.md would cancel near 0).
 * ``Gaussian(sigma)``: ``P = Phi(b) - Phi(a)`` (tail-aware), ``int x phi = phi(a) - phi(b)``
-  (as ``phi(a) * -expm1(-(b^2-a^2)/2)``), ``int x^2 phi = P + a phi(a) - b phi(b)``.
+  (as ``phi(a) * -expm1(-(b^2-a^2)/2)``); ``int x^2 phi`` via the chi-square(3) law of the
+  size-biased X^2 (regularized incomplete gamma, each side of 0 separately, tail-aware).
 * ``PolarAngle(level)``: PolarQuant's angle at recursion level l (REFERENCE.md section 6).
   Level 1 is uniform on [0, 2 pi). For l >= 2, with ``m = 2^(l-1)``,
   ``f(psi) = Gamma(m) / (2^(m-2) Gamma(m/2)^2) sin^(m-1)(2 psi)`` on [0, pi/2]; ``sin^2 psi``
@@ -44,7 +47,9 @@ from ._validate import check_int, check_positive, finite_array
 
 __all__ = ["Density", "SphereMarginal", "Gaussian", "PolarAngle", "Empirical", "density_from_params"]
 
-MAX_POLAR_LEVEL = 20
+#: Level 16 covers blocks of d = 2^16 coordinates. Beyond it the angle's spread (~2^(-l/2)) is so
+#: small next to pi/4 that float64 angles cannot resolve levels to 1e-13 of a standard deviation.
+MAX_POLAR_LEVEL = 16
 
 
 @dataclass(frozen=True)
@@ -164,6 +169,19 @@ class Density(ABC):
         out = np.where(a >= c, upper, np.where(b <= c, lower, mid))
         return np.where(b > a, np.maximum(out, 0.0), 0.0)
 
+    @staticmethod
+    def _even_integral(a, b, lower, upper, switch):
+        """int_a^b g for an even g >= 0 with G(u) = int_0^u g (``lower``), Gc(u) = int_u^inf g
+        (``upper``): each side of 0 is one tail-aware difference, so no term cancels the other.
+        """
+        def piece(u, v):
+            with np.errstate(invalid="ignore"):
+                return np.where(u >= switch, upper(u) - upper(v), lower(v) - lower(u))
+
+        up = piece(np.maximum(a, 0.0), np.maximum(b, 0.0))
+        down = piece(-np.minimum(b, 0.0), -np.minimum(a, 0.0))
+        return np.maximum(up, 0.0) + np.maximum(down, 0.0)
+
     @abstractmethod
     def cell_moments(self, a, b) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Exact ``(int f, int x f, int x^2 f)`` over ``[a, b]`` (arrays broadcast).
@@ -191,17 +209,46 @@ class Density(ABC):
         return f"{type(self).__name__}({args})"
 
 
-def _pow_diff(A, B, p):
-    """A^p - B^p for A, B >= 0, p > 0, with relative accuracy (no cancellation)."""
-    A = np.asarray(A, dtype=np.float64)
-    B = np.asarray(B, dtype=np.float64)
-    hi = np.maximum(A, B)
-    lo = np.minimum(A, B)
-    sign = np.where(A >= B, 1.0, -1.0)
+def _log_gamma_half_ratio(x: float) -> float:
+    """log(Gamma(x + 1/2) / Gamma(x)) for x > 0, accurate to ~eps * |log x|.
+
+    ``lgamma(x + 1/2) - lgamma(x)`` loses eps * lgamma(x) (2e-11 relative at x = 32768);
+    for x >= 30 the Stirling series of the difference is used instead,
+    ``log x / 2 + (x log1p(1/(2x)) - 1/2) + S(x + 1/2) - S(x)`` with
+    ``S(z) = 1/(12z) - 1/(360z^3) + 1/(1260z^5) - 1/(1680z^7)`` (truncation < 1e-17).
+    """
+    if x < 30.0:
+        return math.log(math.gamma(x + 0.5) / math.gamma(x))
+
+    def series(z):
+        z2 = z * z
+        return (1 / 12 - (1 / 360 - (1 / 1260 - 1 / (1680 * z2)) / z2) / z2) / z
+
+    return 0.5 * math.log(x) + (x * math.log1p(0.5 / x) - 0.5) + (series(x + 0.5) - series(x))
+
+
+def _log1m_sq(x):
+    """log(1 - x^2) to relative accuracy: log1p(-x^2) near 0, log((1-x)(1+x)) near +-1."""
+    with np.errstate(divide="ignore"):
+        return np.where(x * x < 0.5, np.log1p(-x * x), np.log((1.0 - x) * (1.0 + x)))
+
+
+def _pow_diff(a, b, p):
+    """(1-a^2)^p - (1-b^2)^p for |a|, |b| <= 1 and p > 0, with relative accuracy.
+
+    Written as ``A^p * -expm1(p log(B/A))`` with ``log(B/A) = log1p((a-b)(a+b)/A)``; ``A^p`` is
+    ``exp(p log1p(-a^2))`` because ``pow(1 - a^2, p)`` would lose p * eps / a^2 for large p.
+    """
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    swap = np.abs(b) < np.abs(a)  # make A = 1 - a^2 the larger base
+    lo_x = np.where(swap, b, a)
+    hi_x = np.where(swap, a, b)
+    A = (1.0 - lo_x) * (1.0 + lo_x)
     with np.errstate(divide="ignore", invalid="ignore"):
-        ratio_log = np.log1p((lo - hi) / hi)
-        val = hi**p * -np.expm1(p * ratio_log)
-    return np.where(hi > 0.0, sign * val, 0.0)
+        ratio_log = np.log1p((lo_x - hi_x) * (lo_x + hi_x) / A)
+        val = np.exp(p * _log1m_sq(lo_x)) * -np.expm1(p * ratio_log)
+    return np.where(A > 0.0, np.where(swap, -val, val), 0.0)
 
 
 @dataclass(frozen=True, repr=False)
@@ -245,8 +292,8 @@ class SphereMarginal(Density):
 
     @property
     def _logc(self) -> float:
-        d = self.d
-        return math.lgamma(d / 2) - 0.5 * math.log(math.pi) - math.lgamma((d - 1) / 2)
+        # C_d = Gamma(d/2) / (sqrt(pi) Gamma((d-1)/2))
+        return _log_gamma_half_ratio((self.d - 1) / 2) - 0.5 * math.log(math.pi)
 
     def pdf(self, x):
         x = np.asarray(x, dtype=np.float64)
@@ -282,13 +329,20 @@ class SphereMarginal(Density):
         a, b = np.broadcast_arrays(a, b)
         m0 = self._mass(a, b)
         p = (self.d - 1) / 2
-        A = (1.0 - a) * (1.0 + a)
-        B = (1.0 - b) * (1.0 + b)
-        m1 = math.exp(self._logc) / (2 * p) * _pow_diff(A, B, p)
+        m1 = math.exp(self._logc) / (2 * p) * _pow_diff(a, b, p)
         m1 = np.where(b > a, m1, 0.0)
-        wider = SphereMarginal(self.d + 2)
-        m2 = m0 - (self.d - 1) / self.d * wider._mass(a, b)
-        return m0, m1, np.maximum(m2, 0.0)
+        # x^2 f(x) dx on [0, u] is (1/(2d)) I_{u^2}(3/2, (d-1)/2): the size-biased law of X^2
+        q2 = (self.d - 1) / 2
+        c2 = 0.5 / self.d
+        m2 = self._even_integral(
+            a, b,
+            lambda u: c2 * special.betainc(1.5, q2, u * u),
+            lambda u: c2 * special.betainc(q2, 1.5, (1.0 - u) * (1.0 + u)),
+            # upper tails only beyond 3 std: scipy's betainc(q2, 3/2, .) loses ~1e-12 relative for
+            # large q2, which is harmless only where the tail itself is small
+            3.0 * math.sqrt(3.0 / (self.d + 2)),
+        )
+        return m0, m1, np.where(b > a, m2, 0.0)
 
     def _quad(self):
         return QuadSpec(_quad.COS_SIN, float(self.d - 2), self._logc, 0.0, 1.0,
@@ -375,11 +429,15 @@ class Gaussian(Density):
             first = np.where(np.abs(zb) >= np.abs(za),
                              pa * -np.expm1(-0.5 * np.where(np.isfinite(d2), d2, np.inf)),
                              -pb * -np.expm1(0.5 * np.where(np.isfinite(d2), d2, -np.inf)))
-            ta = np.where(np.isfinite(za), za * pa, 0.0)
-            tb = np.where(np.isfinite(zb), zb * pb, 0.0)
         m1 = s * np.where(zb > za, first, 0.0)
-        m2 = s * s * np.where(zb > za, m0 + ta - tb, 0.0)
-        return m0, m1, np.maximum(m2, 0.0)
+        # z^2 phi(z) dz on [0, u] is gammainc(3/2, u^2/2) / 2 (chi-square with 3 degrees of freedom)
+        m2 = self._even_integral(
+            za, zb,
+            lambda u: 0.5 * special.gammainc(1.5, 0.5 * u * u),
+            lambda u: 0.5 * special.gammaincc(1.5, 0.5 * u * u),
+            math.sqrt(3.0),
+        )
+        return m0, m1, s * s * np.where(zb > za, m2, 0.0)
 
     def _quad(self):
         return QuadSpec(_quad.GAUSS, 0.0, -0.5 * math.log(2 * math.pi), 0.0, self.sigma,
@@ -397,7 +455,7 @@ class PolarAngle(Density):
     Parameters
     ----------
     level : int
-        1..20. Level 1 angles ``atan2(x_2j, x_2j-1)`` are uniform on [0, 2 pi); level l >= 2
+        1..16. Level 1 angles ``atan2(x_2j, x_2j-1)`` are uniform on [0, 2 pi); level l >= 2
         angles ``atan(|right half| / |left half|)`` over 2^(l-1) coordinates per half lie in
         [0, pi/2] with density proportional to ``sin^(2^(l-1) - 1)(2 psi)``.
     """
@@ -443,8 +501,9 @@ class PolarAngle(Density):
 
     @property
     def _logk(self) -> float:
-        m = self._m
-        return math.lgamma(m) - (m - 2) * math.log(2.0) - 2 * math.lgamma(m / 2)
+        # K_m = Gamma(m) / (2^(m-2) Gamma(m/2)^2) = 2 Gamma((m+1)/2) / (sqrt(pi) Gamma(m/2))
+        # (Legendre duplication), evaluated without the cancellation of large lgamma values
+        return math.log(2.0) - 0.5 * math.log(math.pi) + _log_gamma_half_ratio(self._m / 2)
 
     def pdf(self, x):
         x = np.asarray(x, dtype=np.float64)

@@ -15,9 +15,10 @@ i.e. ``F = grad D / 2``. Its Jacobian (half the Hessian of D) is symmetric tridi
 Newton's step solves ``J delta = -F`` in O(K). Plain Lloyd (``c <- M/P``) converges linearly with
 a rate that tends to 1 as K grows (REFERENCE.md section 2: ~140k iterations at 8 bits); Newton
 converges quadratically from the Panter-Dite compander start (levels at quantiles of f^(1/3)).
-Safeguards: the step is halved until the levels stay ordered inside the support and D does not
-increase beyond rounding; if J is not positive definite or no step is accepted, one Lloyd step is
-taken (it never increases D). Symmetric densities are solved on their upper half (K/2 unknowns,
+Safeguards: the step is halved until the levels stay ordered inside the support and either D does
+not increase beyond rounding or the residual halves (near the optimum D changes by less than its
+rounding noise); if J is not positive definite or no step is accepted, one Lloyd step is taken (it
+never increases D). Symmetric densities are solved on their upper half (K/2 unknowns,
 threshold fixed at the centre) and mirrored, which makes the tables exactly symmetric.
 
 Cell integrals come from ``codebooks._quad`` relative to each level, so the residual
@@ -146,7 +147,10 @@ def _solve_half(q: QuadSpec, lo: float, hi: float, c: np.ndarray, scale: float, 
             trial = c + alpha * delta
             if _valid(trial, lo, hi):
                 tP, tR, tD, tf = _evaluate(q, lo, hi, trial)
-                if np.all(tP > 0.0) and np.sum(tD) <= dtot * (1.0 + 64 * _EPS):
+                # accept a step that lowers D, or (near the optimum, where D's changes are below
+                # its rounding noise) one that halves the residual: Newton's merit for F = 0
+                if np.all(tP > 0.0) and (np.sum(tD) <= dtot * (1.0 + 64 * _EPS)
+                                         or np.max(np.abs(tR / tP)) / scale < 0.5 * res):
                     c, P, R, D, f = trial, tP, tR, tD, tf
                     accepted = True
                     break
@@ -191,20 +195,14 @@ def _solve_continuous(density: Density, bits: int, tol: float, max_iter: int) ->
 def _lloyd_discrete(values, probs, c, max_iter):
     """Lloyd on sorted unique ``values`` until the partition is stable.
 
-    Cells are (t_{i-1}, t_i] with t_i the midpoints of ``c``. An empty cell's level is moved to the
-    value with the largest weighted error (this strictly lowers D, so the loop terminates).
-    Returns (levels, iterations, converged).
+    Cells are (t_{i-1}, t_i] with t_i the midpoints of ``c``; each level becomes the weighted mean
+    of its cell by direct summation plus one residual pass (prefix sums would lose eps * |mean| and
+    can merge levels), clamped into the cell's value range so the levels stay strictly increasing. An empty cell's
+    level moves to the value with the largest weighted error, which strictly lowers D, so the loop
+    terminates. Returns (levels, iterations, converged).
     """
     n = values.shape[0]
     k = c.shape[0]
-    mean = 0.0
-    for j in range(n):
-        mean += probs[j] * values[j]
-    cum_p = np.zeros(n + 1)
-    cum_m = np.zeros(n + 1)
-    for j in range(n):
-        cum_p[j + 1] = cum_p[j] + probs[j]
-        cum_m[j + 1] = cum_m[j] + probs[j] * (values[j] - mean)
     bounds = np.zeros(k + 1, dtype=np.int64)
     prev = np.full(k + 1, -1, dtype=np.int64)
     bounds[k] = n
@@ -223,7 +221,16 @@ def _lloyd_discrete(values, probs, c, max_iter):
             lo = bounds[i]
             hi = bounds[i + 1]
             if hi > lo:
-                c[i] = mean + (cum_m[hi] - cum_m[lo]) / (cum_p[hi] - cum_p[lo])
+                sp = 0.0
+                sm = 0.0
+                for j in range(lo, hi):
+                    sp += probs[j]
+                    sm += probs[j] * values[j]
+                m = sm / sp
+                sr = 0.0  # one refinement pass: the mean of the residuals about m
+                for j in range(lo, hi):
+                    sr += probs[j] * (values[j] - m)
+                c[i] = min(max(m + sr / sp, values[lo]), values[hi - 1])
             else:
                 empty = i
         if empty >= 0:
@@ -245,7 +252,7 @@ def _lloyd_discrete(values, probs, c, max_iter):
 
 @njit(cache=True)
 def _cell_sums(values, probs, c):
-    """Exact per-cell P, R = sum p (v - c_i), D = sum p (v - c_i)^2 by direct summation."""
+    """Per-cell P, R = sum p (v - c_i), D = sum p (v - c_i)^2 (cells as in ``_lloyd_discrete``)."""
     k = c.shape[0]
     P = np.zeros(k)
     R = np.zeros(k)
@@ -274,26 +281,12 @@ def _solve_empirical(density: Empirical, bits: int, tol: float, max_iter: int) -
     for i in range(1, k):  # strictly increasing picks that still fit below n
         idx[i] = max(idx[i], idx[i - 1] + 1)
     c = values[np.minimum(idx, values.size - k + np.arange(k))].copy()
-    total = 0
-    while True:
-        c, iters, ok = _lloyd_discrete(values, probs, c, max_iter)
-        total += iters
-        if not ok or total > max_iter:
-            raise ConvergenceError(f"discrete Lloyd did not reach a stable partition in {max_iter} iterations")
-        # the loop used prefix sums; recentre each level on its cell by direct summation
-        P, R, _ = _cell_sums(values, probs, c)
-        exact = c + R / P
-        if np.array_equal(_partition(values, exact), _partition(values, c)):
-            c = exact
-            break
-        c = exact  # rounding moved a sample across a threshold: continue from the exact levels
+    c, iters, ok = _lloyd_discrete(values, probs, c, max_iter)
+    if not ok:
+        raise ConvergenceError(f"discrete Lloyd did not reach a stable partition in {max_iter} iterations")
     P, R, D = _cell_sums(values, probs, c)
     res = float(np.max(np.abs(R / P))) / density.scale
     if res > tol or not np.all(np.diff(c) > 0):
         raise ConvergenceError(f"discrete Lloyd residual {res:.3e} > tol {tol:.1e}")
     return Codebook(levels=c, thresholds=0.5 * (c[:-1] + c[1:]), mse=float(np.sum(D)), density=density,
-                    bits=bits, solver="lloyd-discrete", iterations=total, residual=res)
-
-
-def _partition(values, c):
-    return np.searchsorted(values, 0.5 * (c[:-1] + c[1:]), side="right")
+                    bits=bits, solver="lloyd-discrete", iterations=int(iters), residual=res)

@@ -148,6 +148,29 @@ def _entry(cb: Codebook, arrays: dict[str, np.ndarray]) -> dict:
     }
 
 
+def _safetensors_bytes(arrays: dict[str, np.ndarray], metadata: dict[str, str]) -> bytes:
+    """Serialise ``arrays`` in the safetensors format, deterministically.
+
+    8-byte little-endian header length, a compact JSON header (metadata, then the float64 arrays,
+    then the float32 ones, each group in the given order, so every array is aligned to its
+    itemsize), space padding to a multiple of 8, then the raw little-endian data. The safetensors
+    library's own writer orders metadata through a hash map, so its bytes vary between runs.
+    """
+    order = [k for k, v in arrays.items() if v.dtype == np.float64] + \
+            [k for k, v in arrays.items() if v.dtype == np.float32]
+    header: dict = {"__metadata__": dict(sorted(metadata.items()))}
+    chunks, offset = [], 0
+    for key in order:
+        data = np.ascontiguousarray(arrays[key]).tobytes()
+        header[key] = {"dtype": {np.float64: "F64", np.float32: "F32"}[arrays[key].dtype.type],
+                       "shape": list(arrays[key].shape), "data_offsets": [offset, offset + len(data)]}
+        chunks.append(data)
+        offset += len(data)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text + b"".join(chunks)
+
+
 def _write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_bytes(data)
@@ -168,8 +191,6 @@ def save_tables(codebooks: Iterable[Codebook], folder) -> Path:
     Path
         The folder.
     """
-    from safetensors.numpy import save
-
     cbs = list(codebooks)
     if not cbs:
         raise ValueError("codebooks must contain at least one Codebook")
@@ -184,8 +205,8 @@ def save_tables(codebooks: Iterable[Codebook], folder) -> Path:
     arrays: dict[str, np.ndarray] = {}
     for cb in cbs:
         arrays.update(_arrays(cb))
-    tensors = save(arrays, metadata={"schema_version": str(TABLE_SCHEMA_VERSION),
-                                     "generator": f"kvq-codebooks {__version__}"})
+    tensors = _safetensors_bytes(arrays, {"schema_version": str(TABLE_SCHEMA_VERSION),
+                                          "generator": f"kvq-codebooks {__version__}"})
     header = render_header(cbs)
     manifest = {
         "schema_version": TABLE_SCHEMA_VERSION,
