@@ -281,3 +281,32 @@ def test_codebook_is_frozen_and_quantizes_with_lower_tie_rule():
         cb.dequantize(np.array([4]))
     with pytest.raises(TypeError, match="integer array"):
         cb.dequantize(np.array([0.5]))
+
+
+# REFERENCE.md section 2: N(0,1) optima computed independently to >= 16 digits
+KNOWN_GAUSSIAN = {
+    1: (0.36338022763241866, [0.7978845608028654]),
+    2: (0.11748184782932929, [0.452780034636492, 1.510417608499095]),
+    3: (0.03454776078850373, [0.2450941789442217, 0.7560052812058773, 1.343909278505, 2.151945704536987]),
+    4: (0.0095010080081918861, []),
+}
+
+
+@pytest.mark.parametrize("bits", sorted(KNOWN_GAUSSIAN))
+def test_known_gaussian_optima_to_12_digits(bits):
+    mse, positive = KNOWN_GAUSSIAN[bits]
+    cb = lloyd_max(Gaussian(), bits)
+    assert cb.mse == pytest.approx(mse, rel=1e-12)
+    k = 2**bits
+    for got, want in zip(cb.levels[k // 2:], positive):
+        # compare to the digits given (1.343909278505 has 13 significant digits)
+        assert got == pytest.approx(want, rel=1e-12)
+    if bits == 4:
+        assert cb.levels[-1] == pytest.approx(2.73258957099516, rel=1e-12)
+        assert cb.levels[k // 2] == pytest.approx(0.128395029851147, rel=1e-12)
+
+
+@pytest.mark.parametrize("bits, unit", [(1, 0.3609), (2, 0.1160), (3, 0.03397), (4, 0.009315)])
+def test_known_sphere_d128_unit_distortion(bits, unit):
+    assert lloyd_max(SphereMarginal(128), bits).unit_distortion == pytest.approx(unit, abs=0.5 * 10.0 ** (
+        math.floor(math.log10(unit)) - 3))
