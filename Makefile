@@ -21,6 +21,8 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/kvq-codebooks build --default --out $(OUT)/tables
 	$(VENV)/bin/kvq-codebooks show $(OUT)/tables --brief
+	$(VENV)/bin/kvq-theory curves --dim 128 --bits 1-12 --out results/theory
+	$(VENV)/bin/kvq-theory plot results/theory/*.json -o results/theory/rd.png
 
 test: $(STAMP)
 	$(PY) -m pytest -q

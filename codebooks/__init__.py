@@ -6,7 +6,7 @@ tables.safetensors, kvq_tables.h) -> quantizers and kernels. This package import
 """
 
 from ._version import TABLE_SCHEMA_VERSION, __version__
-from .audit import AuditReport, audit, distortion
+from .audit import AuditReport, audit, cell_integrals, distortion
 from .build import default_densities, shipped_tables
 from .codebook import Codebook, ConvergenceError
 from .densities import Density, Empirical, Gaussian, PolarAngle, SphereMarginal
@@ -17,7 +17,7 @@ __all__ = [
     "__version__", "TABLE_SCHEMA_VERSION",
     "Density", "SphereMarginal", "Gaussian", "PolarAngle", "Empirical",
     "Codebook", "ConvergenceError", "lloyd_max",
-    "distortion", "audit", "AuditReport",
+    "distortion", "cell_integrals", "audit", "AuditReport",
     "save_tables", "load_tables", "TableSet", "TableFileError",
     "default_densities", "shipped_tables",
 ]

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from collections.abc import Iterable
 from pathlib import Path
+
+import numpy as np
 
 from .codebook import Codebook
 from .densities import Density, Gaussian, PolarAngle, SphereMarginal
 from .solver import lloyd_max
 
 __all__ = ["DEFAULT_SPHERE_DIMS", "DEFAULT_BITS", "DEFAULT_POLAR", "default_densities", "build",
-           "parse_int_list", "parse_float_list", "shipped_tables", "SHIPPED_DIR"]
+           "parse_int_list", "parse_float_list", "read_levels", "shipped_tables", "SHIPPED_DIR"]
 
 #: Head dimensions of common models (64..256), PolarQuant-style 16/32, MLA 576, and 1024.
 DEFAULT_SPHERE_DIMS = (16, 32, 64, 80, 96, 128, 192, 256, 576, 1024)
@@ -73,6 +76,22 @@ def parse_float_list(text: str, name: str) -> list[float]:
         return list(dict.fromkeys(float(p) for p in str(text).split(",")))
     except ValueError:
         raise ValueError(f"{name}: cannot parse {text!r} (expected e.g. '0.5,1')") from None
+
+
+def read_levels(spec: str) -> np.ndarray:
+    """Levels from a file (.npy, .json list, or whitespace/comma-separated text) or a list."""
+    path = Path(spec)
+    if path.is_file():
+        if path.suffix == ".npy":
+            return np.load(path, allow_pickle=False).ravel()
+        text = path.read_text()
+        if path.suffix == ".json":
+            return np.asarray(json.loads(text), dtype=np.float64).ravel()
+        return np.asarray([float(t) for t in text.replace(",", " ").split()], dtype=np.float64)
+    try:
+        return np.asarray([float(t) for t in spec.replace(",", " ").split()], dtype=np.float64)
+    except ValueError:
+        raise ValueError(f"--levels: {spec!r} is neither a file nor a list of numbers") from None
 
 
 def shipped_tables():

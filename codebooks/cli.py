@@ -15,13 +15,10 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
-
-import numpy as np
 
 from ._version import __version__
 from .audit import audit
-from .build import build, default_densities, parse_float_list, parse_int_list
+from .build import build, default_densities, parse_float_list, parse_int_list, read_levels
 from .densities import Density, Gaussian, PolarAngle, SphereMarginal
 from .tables import TableFileError, load_tables, save_tables
 
@@ -48,22 +45,6 @@ def _densities(args, allow_many: bool = True) -> list[Density]:
     return out
 
 
-def _read_levels(spec: str) -> np.ndarray:
-    """Levels from a file (.npy, .json list, or whitespace/comma-separated text) or a list."""
-    path = Path(spec)
-    if path.is_file():
-        if path.suffix == ".npy":
-            return np.load(path, allow_pickle=False).ravel()
-        text = path.read_text()
-        if path.suffix == ".json":
-            return np.asarray(json.loads(text), dtype=np.float64).ravel()
-        return np.asarray([float(t) for t in text.replace(",", " ").split()], dtype=np.float64)
-    try:
-        return np.asarray([float(t) for t in spec.replace(",", " ").split()], dtype=np.float64)
-    except ValueError:
-        raise ValueError(f"--levels: {spec!r} is neither a file nor a list of numbers") from None
-
-
 def _cmd_build(args) -> int:
     if args.default:
         jobs = default_densities()
@@ -81,8 +62,8 @@ def _cmd_build(args) -> int:
 
 def _cmd_audit(args) -> int:
     (density,) = _densities(args, allow_many=False)
-    levels = _read_levels(args.levels)
-    thresholds = _read_levels(args.thresholds) if args.thresholds else None
+    levels = read_levels(args.levels)
+    thresholds = read_levels(args.thresholds) if args.thresholds else None
     report = audit(density, levels, thresholds)
     if args.json:
         print(json.dumps(report.to_dict(), indent=1))

@@ -13,30 +13,15 @@ from hypothesis import strategies as st
 from codebooks import Empirical, Gaussian, PolarAngle, SphereMarginal
 from codebooks import _quad
 from codebooks.densities import _log_gamma_half_ratio
+from tests.mpref import mp_pdf
 
 CONTINUOUS = [SphereMarginal(2), SphereMarginal(3), SphereMarginal(4), SphereMarginal(7),
               SphereMarginal(128), SphereMarginal(65536), Gaussian(), Gaussian(2.5),
               PolarAngle(1), PolarAngle(2), PolarAngle(3), PolarAngle(7)]
 
 
-def _mp_pdf(density):
-    """The density written independently in mpmath (40 digits)."""
-    if isinstance(density, SphereMarginal):
-        d = density.d
-        c = mp.gamma(mp.mpf(d) / 2) / (mp.sqrt(mp.pi) * mp.gamma(mp.mpf(d - 1) / 2))
-        return lambda x: c * (1 - x * x) ** (mp.mpf(d - 3) / 2)
-    if isinstance(density, Gaussian):
-        s = mp.mpf(density.sigma)
-        return lambda x: mp.exp(-x * x / (2 * s * s)) / (s * mp.sqrt(2 * mp.pi))
-    if density.level == 1:
-        return lambda x: 1 / (2 * mp.pi)
-    m = 2 ** (density.level - 1)
-    k = mp.gamma(m) / (mp.mpf(2) ** (m - 2) * mp.gamma(mp.mpf(m) / 2) ** 2)
-    return lambda x: k * mp.sin(2 * x) ** (m - 1)
-
-
 def _mp_moments(density, a, b):
-    f = _mp_pdf(density)
+    f = mp_pdf(density)
     lo, hi = density.support
     a, b = max(a, lo), min(b, hi)
     # split at the mode and a few std either side so mp.quad sees smooth pieces
@@ -112,7 +97,7 @@ def test_polar_variance_is_trigamma_closed_form():
     mp.mp.dps = 30
     for level in (2, 3, 5):
         dens = PolarAngle(level)
-        f = _mp_pdf(dens)
+        f = mp_pdf(dens)
         var = mp.quad(lambda x: (x - mp.pi / 4) ** 2 * f(x), [0, mp.pi / 4, mp.pi / 2])
         assert dens.var == pytest.approx(float(var), rel=1e-14)
 
