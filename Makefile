@@ -33,6 +33,10 @@ tables: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_codebooks.py
+	$(PY) benchmarks/bench_kvq_ref.py
 
+# Numba's on-disk cache is keyed on each function's own file only: after editing a shared @njit
+# helper (packing, rotations, row norms), drop the caches of the functions that inline it.
 clean:
 	rm -rf $(OUT) .pytest_cache .hypothesis
+	find codebooks kvq_ref theory gpu -name '*.nbi' -o -name '*.nbc' 2>/dev/null | xargs rm -f

@@ -96,6 +96,30 @@ class Codebook:
             return self.density.d * self.mse
         return None
 
+    def invariant_scales(self) -> tuple[float, float]:
+        """Open interval of factors s > 0 for which every scaled level ``s * levels[i]`` stays in cell i.
+
+        A re-encoded vector of levels whose coordinates are all multiplied by one factor (as when a
+        quantizer normalizes ``c_hat`` by its norm) keeps its codes iff the factor lies inside this
+        interval (for the levels it uses). For cell i = (t_(i-1), t_i]: a positive level needs
+        ``t_(i-1) < s c_i <= t_i``, a negative one the mirrored bounds; 0 is never a level here.
+
+        Returns
+        -------
+        (lo, hi) : tuple of float
+            ``lo < 1 < hi`` for any table whose levels lie inside their cells.
+        """
+        lo, hi = 0.0, np.inf
+        t = self.thresholds
+        for i, c in enumerate(self.levels):
+            below = t[i - 1] if i > 0 else -np.inf
+            above = t[i] if i < t.size else np.inf
+            if c > 0:
+                lo, hi = max(lo, below / c), min(hi, above / c)
+            elif c < 0:
+                lo, hi = max(lo, above / c), min(hi, below / c)
+        return float(lo), float(hi)
+
     def quantize(self, x) -> np.ndarray:
         """Indices of the cells holding ``x`` (ties go to the lower cell).
 

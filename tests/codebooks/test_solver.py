@@ -310,3 +310,17 @@ def test_known_gaussian_optima_to_12_digits(bits):
 def test_known_sphere_d128_unit_distortion(bits, unit):
     assert lloyd_max(SphereMarginal(128), bits).unit_distortion == pytest.approx(unit, abs=0.5 * 10.0 ** (
         math.floor(math.log10(unit)) - 3))
+
+
+@pytest.mark.parametrize("density", [SphereMarginal(32), SphereMarginal(128), Gaussian()], ids=repr)
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_invariant_scales_bound_the_fixed_codes(density, bits):
+    cb = lloyd_max(density, bits)
+    lo, hi = cb.invariant_scales()
+    assert lo < 1 < hi
+    k = np.arange(2**bits)
+    for s in np.linspace(lo, hi, 9)[1:-1]:
+        assert np.array_equal(cb.quantize(s * cb.levels), k)
+    assert not np.array_equal(cb.quantize(lo * (1 - 1e-9) * cb.levels), k)
+    assert not np.array_equal(cb.quantize(hi * (1 + 1e-9) * cb.levels), k)
+    assert lloyd_max(density, 1).invariant_scales() == (0.0, math.inf)
