@@ -26,7 +26,7 @@ from typing import ClassVar
 import numpy as np
 from numba import njit, prange
 
-__all__ = ["Encoded", "Quantizer", "as_array", "codebook", "row_norm", "row_norms", "fp_dtype", "to_fp", "check_fp_finite"]
+__all__ = ["Encoded", "Quantizer", "RotatedQuantizer", "as_array", "codebook", "row_norm", "row_norms", "fp_dtype", "to_fp", "check_fp_finite"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -244,3 +244,29 @@ class Quantizer(ABC):
         qa = as_array("q", q, dim=d)
         s = self.scores(self.prepare_query(qa.reshape(-1, d)), enc)
         return s.reshape(qa.shape[:-1] + tuple(enc.shape[:-1]))
+
+
+class RotatedQuantizer(Quantizer):
+    """A method that quantizes ``y = R x`` for a seeded rotation ``R`` (``self.rot``).
+
+    Subclasses provide ``rot`` and ``_rotated(enc)``, the reconstruction in the rotated domain
+    (after validating ``enc``). Then ``decode`` is ``R^T y_hat``, queries are rotated once
+    (``<q, x_hat> = <R q, y_hat>``) and weighted sums of values are formed on ``y_hat`` with a
+    single inverse rotation of the result.
+    """
+
+    @abstractmethod
+    def _rotated(self, enc: Encoded) -> np.ndarray:
+        """``y_hat``: float64, shape (N, d), N = number of encoded vectors."""
+
+    def decode(self, enc: Encoded) -> np.ndarray:
+        return self.rot.inverse(self._rotated(enc)).astype(np.float32).reshape(enc.shape)
+
+    def prepare_query(self, q):
+        return self.rot.apply(q)
+
+    def scores(self, q_prepared, enc):
+        return q_prepared @ self._rotated(enc).T
+
+    def accumulate(self, p, enc):
+        return self.rot.inverse(p @ self._rotated(enc))

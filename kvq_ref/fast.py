@@ -99,12 +99,12 @@ def _decode(packed, scale, levels, bits, signs1, inv_perm, signs2, block, out):
         for r in range(c * _CHUNK, min(n, (c + 1) * _CHUNK)):
             if not unpack_row(packed[r], bits, idx):
                 bad += 1
-            for j in range(d):
-                buf[j] = levels[idx[j]] * signs2[j]
-            fwht_row(buf, block)
             s = scale[r]
             for j in range(d):
-                out[r, j] = ((buf[inv_perm[j]] * inv_sqrt) * signs1[j]) * s
+                buf[j] = (levels[idx[j]] * s) * signs2[j]
+            fwht_row(buf, block)
+            for j in range(d):
+                out[r, j] = (buf[inv_perm[j]] * inv_sqrt) * signs1[j]
     return bad
 
 

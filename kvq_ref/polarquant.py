@@ -48,7 +48,7 @@ import numpy as np
 
 from codebooks import PolarAngle
 
-from .common import Encoded, Quantizer, as_array, codebook, fp_dtype, to_fp
+from .common import Encoded, RotatedQuantizer, as_array, codebook, fp_dtype, to_fp
 from .packing import pack_codes, packed_size, unpack_codes
 from .rotations import make_rotation
 
@@ -63,7 +63,7 @@ def _is_int(v) -> bool:
 
 
 @dataclass(frozen=True)
-class PolarQuant(Quantizer):
+class PolarQuant(RotatedQuantizer):
     """PolarQuant: seeded rotation, blockwise recursive polar transform, per-level angle tables.
 
     Parameters
@@ -197,15 +197,3 @@ class PolarQuant(Quantizer):
             child[:, 1::2] = r * np.sin(psi)
             r = child
         return r
-
-    def decode(self, enc: Encoded) -> np.ndarray:
-        return self.rot.inverse(self._rotated(enc)).astype(np.float32).reshape(enc.shape)
-
-    def prepare_query(self, q):
-        return self.rot.apply(q)
-
-    def scores(self, q_prepared, enc):
-        return q_prepared @ self._rotated(enc).T
-
-    def accumulate(self, p, enc):
-        return self.rot.inverse(p @ self._rotated(enc))

@@ -23,7 +23,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from .common import Encoded, Quantizer, as_array
+from .common import Encoded, RotatedQuantizer, as_array
 from .packing import pack_codes, packed_size, unpack_codes
 from .rotations import make_rotation
 from .uniform import check_bits, check_clip_ratio, check_group, dequantize, quantize
@@ -32,7 +32,7 @@ __all__ = ["QuaRot"]
 
 
 @dataclass(frozen=True)
-class QuaRot(Quantizer):
+class QuaRot(RotatedQuantizer):
     """QuaRot KV quantization: rotation + clipped asymmetric INT-b groups per token.
 
     Parameters
@@ -112,15 +112,3 @@ class QuaRot(Quantizer):
         a = enc.arrays
         codes = unpack_codes(a["codes"], self.bits, self.dim)
         return dequantize(codes, a["scales"], a["minima"], self.g).reshape(-1, self.dim)
-
-    def decode(self, enc: Encoded) -> np.ndarray:
-        return self.rot.inverse(self._rotated(enc)).astype(np.float32).reshape(enc.shape)
-
-    def prepare_query(self, q):
-        return self.rot.apply(q)
-
-    def scores(self, q_prepared, enc):
-        return q_prepared @ self._rotated(enc).T
-
-    def accumulate(self, p, enc):
-        return self.rot.inverse(p @ self._rotated(enc))

@@ -47,7 +47,7 @@ import numpy as np
 
 from codebooks import SphereMarginal
 
-from .common import Encoded, Quantizer, as_array, codebook, to_fp
+from .common import Encoded, RotatedQuantizer, as_array, codebook, to_fp
 from .packing import pack_codes, unpack_codes
 from .rotations import STREAM_MISC, HadamardRotation, rng
 
@@ -59,7 +59,7 @@ _F16 = np.dtype("<f2")
 
 
 @dataclass(frozen=True)
-class TurboBlock(Quantizer):
+class TurboBlock(RotatedQuantizer):
     """A turbo2/turbo3/turbo4 block quantizer with the fork's exact byte layout.
 
     Parameters
@@ -250,17 +250,6 @@ class TurboBlock(Quantizer):
         idx, scales = self.unpack(enc.arrays["blocks"].reshape(-1, self.bytes_per_block))
         return self.table.levels[idx], scales.astype(np.float64)
 
-    def decode(self, enc: Encoded) -> np.ndarray:
+    def _rotated(self, enc: Encoded) -> np.ndarray:
         chat, scale = self._parts(enc)
-        return (self.rot.inverse(chat) * scale[:, None]).astype(np.float32).reshape(enc.shape)
-
-    def prepare_query(self, q):
-        return self.rot.apply(q)
-
-    def scores(self, q_prepared, enc):
-        chat, scale = self._parts(enc)
-        return (q_prepared @ chat.T) * scale
-
-    def accumulate(self, p, enc):
-        chat, scale = self._parts(enc)
-        return self.rot.inverse((p * scale) @ chat)
+        return chat * scale[:, None]

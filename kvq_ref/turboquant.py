@@ -12,7 +12,8 @@ Quantization rule (kernels must match): ``||x||`` is ``common.row_norm`` (sequen
 squares), ``y = R (x * (1/||x||))``, ``idx = #{thresholds < y_j}`` (a coordinate exactly on a
 threshold takes the lower cell); codes are packed with ``kvq_ref.packing`` (little-endian bit
 stream); the scale is rounded to ``norm_dtype`` (float16 by default) and decoding uses the rounded
-value. A zero vector is stored with scale 0 and decodes to zeros.
+value; decoding is ``R^T (c[idx] * scale)``. A zero vector is stored with scale 0 and decodes to
+zeros.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import numpy as np
 
 from codebooks import SphereMarginal
 
-from .common import Encoded, Quantizer, as_array, codebook, fp_dtype, row_norms, to_fp
+from .common import Encoded, Quantizer, RotatedQuantizer, as_array, codebook, fp_dtype, row_norms, to_fp
 from .packing import pack_codes, packed_size, unpack_codes
 from .rotations import make_rotation
 from .sketch import QJLSketch
@@ -47,7 +48,7 @@ def _check_common(dim, bits, lo_bits, hi_bits, rotation, seed, norm_dtype):
 
 
 @dataclass(frozen=True)
-class TurboQuantMSE(Quantizer):
+class TurboQuantMSE(RotatedQuantizer):
     """TurboQuant_mse: random rotation + exact Lloyd-Max scalar codebook + stored norm.
 
     Parameters
@@ -122,20 +123,9 @@ class TurboQuantMSE(Quantizer):
         codes = unpack_codes(enc.arrays["codes"].reshape(-1, enc.arrays["codes"].shape[-1]), self.bits, self.dim)
         return self.table.levels[codes], enc.arrays["norms"].reshape(-1).astype(np.float64)
 
-    def decode(self, enc: Encoded) -> np.ndarray:
+    def _rotated(self, enc: Encoded) -> np.ndarray:
         chat, scale = self._parts(enc)
-        return (self.rot.inverse(chat) * scale[:, None]).astype(np.float32).reshape(enc.shape)
-
-    def prepare_query(self, q):
-        return self.rot.apply(q)
-
-    def scores(self, q_prepared, enc):
-        chat, scale = self._parts(enc)
-        return (q_prepared @ chat.T) * scale
-
-    def accumulate(self, p, enc):
-        chat, scale = self._parts(enc)
-        return self.rot.inverse((p * scale) @ chat)
+        return chat * scale[:, None]
 
 
 @dataclass(frozen=True)
