@@ -4,7 +4,7 @@ Run from the repository root::
 
     python benchmarks/bench_kvq_ref.py [--out benchmarks/results/kvq_ref.json] [--vectors 65536]
 
-Three implementations, timed in the same run on the same float32 input (best of 7 repeats after a
+Three implementations, timed in the same run on the same float32 input (best of 15 repeats after a
 warm-up):
 
 * ``fused``: ``kvq_ref.fast.encode_fast/decode_fast``, the Numba kernels (one pass per vector).
@@ -109,7 +109,7 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/kvq_ref.json"))
     p.add_argument("--vectors", type=int, default=65536)
-    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--repeats", type=int, default=15)
     args = p.parse_args(argv)
     t0 = time.perf_counter()
     result = {
