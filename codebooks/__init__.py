@@ -11,6 +11,7 @@ from .build import default_densities, shipped_tables
 from .codebook import Codebook, ConvergenceError
 from .densities import Density, Empirical, Gaussian, PolarAngle, SphereMarginal
 from .solver import lloyd_max
+from .artifacts import Artifacts, load_artifacts, save_artifacts
 from .tables import TableFileError, TableSet, load_tables, save_tables
 
 __all__ = [
@@ -18,6 +19,6 @@ __all__ = [
     "Density", "SphereMarginal", "Gaussian", "PolarAngle", "Empirical",
     "Codebook", "ConvergenceError", "lloyd_max",
     "distortion", "cell_integrals", "audit", "AuditReport",
-    "save_tables", "load_tables", "TableSet", "TableFileError",
+    "save_tables", "load_tables", "TableSet", "TableFileError", "save_artifacts", "load_artifacts", "Artifacts",
     "default_densities", "shipped_tables",
 ]

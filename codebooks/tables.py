@@ -1,4 +1,4 @@
-"""Table files: a folder with ``manifest.json``, ``tables.safetensors`` and ``kvq_tables.h``.
+"""Codebook table sets: an artifact folder (``codebooks.artifacts``) of kind ``"codebooks"``.
 
 Layout (schema version 1)
 -------------------------
@@ -10,53 +10,33 @@ Layout (schema version 1)
     C header generated from the float32 arrays (``%.8e`` literals round-trip float32 exactly) and
     a ``kvq_tables[]`` directory; kernels include it or copy its arrays to the device.
 ``manifest.json``
-    Canonical JSON (sorted keys, one-space indent, trailing newline) with the schema version, the
-    generator, the sha256 of the two other files, one entry per codebook (density kind and
-    parameters, bits, mse, solver provenance and the sha256 of each array) and
-    ``manifest_sha256`` over the canonical JSON of everything else.
+    The artifact manifest; each entry holds a codebook's density (kind and parameters), bits, mse
+    and solver provenance, and the sha256 of each of its arrays.
 
-Loading re-derives every redundant piece and refuses the set on any difference: file hashes,
-array hashes, dtypes and shapes, sortedness, float32 = round(float64), the header regenerated
-byte for byte, the manifest re-serialised byte for byte, and the mse recomputed from the levels.
-Any single flipped byte in any of the three files is therefore detected. Writing is
-deterministic (no timestamps, canonical order), so the same codebooks give byte-identical files.
+On top of the artifact checks (any flipped byte is detected), loading rebuilds each ``Codebook``
+(sorted, interleaved, right sizes), checks float32 = round(float64), regenerates the header byte
+for byte and recomputes the mse from the levels. Writing is deterministic.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import re
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import numpy as np
 
 from ._version import TABLE_SCHEMA_VERSION, __version__
+from .artifacts import MANIFEST, TENSORS, TableFileError, fail, load_artifacts, save_artifacts
 from .audit import distortion
 from .codebook import Codebook
 from .densities import Density, Empirical, density_from_params
 
 __all__ = ["save_tables", "load_tables", "TableSet", "TableFileError", "render_header",
-           "MANIFEST", "TENSORS", "HEADER"]
+           "MANIFEST", "TENSORS", "HEADER", "KIND"]
 
-MANIFEST = "manifest.json"
-TENSORS = "tables.safetensors"
 HEADER = "kvq_tables.h"
+KIND = "codebooks"
 _MSE_RTOL = 1e-9  # recomputed mse vs recorded: catches edits of levels or density parameters
-
-
-class TableFileError(ValueError):
-    """A table folder is missing, corrupted, truncated or inconsistent."""
-
-
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def _canonical(obj) -> bytes:
-    return (json.dumps(obj, indent=1, sort_keys=True, ensure_ascii=True, allow_nan=False) + "\n").encode()
 
 
 def _sort_key(cb: Codebook):
@@ -129,7 +109,7 @@ def render_header(codebooks: list[Codebook]) -> bytes:
     return "\n".join(out).encode()
 
 
-def _entry(cb: Codebook, arrays: dict[str, np.ndarray]) -> dict:
+def _entry(cb: Codebook, names: list[str]) -> dict:
     return {
         "name": cb.name,
         "density": {"kind": cb.density.kind, "params": cb.density.params()},
@@ -142,39 +122,8 @@ def _entry(cb: Codebook, arrays: dict[str, np.ndarray]) -> dict:
         "residual": cb.residual,
         "version": cb.version,
         "schema": cb.schema,
-        "arrays": {k: {"dtype": "float64" if k.endswith("f64") else "float32",
-                       "shape": list(v.shape), "sha256": _sha256(v.tobytes())}
-                   for k, v in arrays.items() if k.startswith(cb.name + ".")},
+        "arrays": names,
     }
-
-
-def _safetensors_bytes(arrays: dict[str, np.ndarray], metadata: dict[str, str]) -> bytes:
-    """Serialise ``arrays`` in the safetensors format, deterministically.
-
-    8-byte little-endian header length, a compact JSON header (metadata, then the float64 arrays,
-    then the float32 ones, each group in the given order, so every array is aligned to its
-    itemsize), space padding to a multiple of 8, then the raw little-endian data. The safetensors
-    library's own writer orders metadata through a hash map, so its bytes vary between runs.
-    """
-    order = [k for k, v in arrays.items() if v.dtype == np.float64] + \
-            [k for k, v in arrays.items() if v.dtype == np.float32]
-    header: dict = {"__metadata__": dict(sorted(metadata.items()))}
-    chunks, offset = [], 0
-    for key in order:
-        data = np.ascontiguousarray(arrays[key]).tobytes()
-        header[key] = {"dtype": {np.float64: "F64", np.float32: "F32"}[arrays[key].dtype.type],
-                       "shape": list(arrays[key].shape), "data_offsets": [offset, offset + len(data)]}
-        chunks.append(data)
-        offset += len(data)
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    return len(text).to_bytes(8, "little") + text + b"".join(chunks)
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 def save_tables(codebooks: Iterable[Codebook], folder) -> Path:
@@ -203,24 +152,12 @@ def save_tables(codebooks: Iterable[Codebook], folder) -> Path:
         raise ValueError(f"codebooks must have unique names; duplicated: {dup}")
     cbs.sort(key=_sort_key)
     arrays: dict[str, np.ndarray] = {}
+    entries = []
     for cb in cbs:
-        arrays.update(_arrays(cb))
-    tensors = _safetensors_bytes(arrays, {"schema_version": str(TABLE_SCHEMA_VERSION),
-                                          "generator": f"kvq-codebooks {__version__}"})
-    header = render_header(cbs)
-    manifest = {
-        "schema_version": TABLE_SCHEMA_VERSION,
-        "generator": f"kvq-codebooks {__version__}",
-        "files": {TENSORS: _sha256(tensors), HEADER: _sha256(header)},
-        "codebooks": [_entry(cb, arrays) for cb in cbs],
-    }
-    manifest["manifest_sha256"] = _sha256(_canonical(manifest))
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    _write_atomic(folder / TENSORS, tensors)
-    _write_atomic(folder / HEADER, header)
-    _write_atomic(folder / MANIFEST, _canonical(manifest))
-    return folder
+        own = _arrays(cb)
+        arrays.update(own)
+        entries.append(_entry(cb, list(own)))
+    return save_artifacts(folder, KIND, entries, arrays, {HEADER: render_header(cbs)})
 
 
 class TableSet(Mapping):
@@ -256,84 +193,37 @@ class TableSet(Mapping):
         return f"TableSet({str(self.folder)!r}, {len(self)} codebooks, schema {self.schema_version})"
 
 
-def _fail(path: Path, problem: str):
-    raise TableFileError(f"{path}: {problem}")
-
-
-def _read(path: Path) -> bytes:
-    if not path.is_file():
-        _fail(path, "file is missing")
-    return path.read_bytes()
-
-
-def _parse_manifest(path: Path, raw: bytes) -> dict:
-    try:
-        manifest = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        _fail(path, f"not valid JSON ({exc})")
-    if not isinstance(manifest, dict):
-        _fail(path, "top level must be a JSON object")
-    schema = manifest.get("schema_version")
-    if schema != TABLE_SCHEMA_VERSION:
-        _fail(path, f"schema version {schema!r} is not supported (this reader: {TABLE_SCHEMA_VERSION})")
-    for key, typ in (("generator", str), ("files", dict), ("codebooks", list), ("manifest_sha256", str)):
-        if not isinstance(manifest.get(key), typ):
-            _fail(path, f"field {key!r} is missing or not a {typ.__name__}")
-    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
-    if _sha256(_canonical(body)) != manifest["manifest_sha256"]:
-        _fail(path, "manifest_sha256 does not match the manifest content (edited or corrupted)")
-    try:
-        canonical = _canonical(manifest)
-    except ValueError as exc:
-        _fail(path, f"not canonical JSON ({exc})")
-    if canonical != raw:
-        _fail(path, "bytes differ from the canonical serialisation (edited or corrupted)")
-    return manifest
-
-
-def _load_entry(entry, tensors: dict, tpath: Path, mpath: Path) -> Codebook:
-    if not isinstance(entry, dict):
-        _fail(mpath, "a codebook entry is not an object")
+def _load_entry(entry: dict, tensors: dict, tpath: Path, mpath: Path) -> Codebook:
     try:
         name, kind, params = entry["name"], entry["density"]["kind"], entry["density"]["params"]
-        bits, specs = entry["bits"], entry["arrays"]
-        mse, solver, iters, residual = entry["mse"], entry["solver"], entry["iterations"], entry["residual"]
-        version, schema = entry["version"], entry["schema"]
+        bits, mse, solver = entry["bits"], entry["mse"], entry["solver"]
+        iters, residual, version, schema = entry["iterations"], entry["residual"], entry["version"], entry["schema"]
     except (KeyError, TypeError) as exc:
-        _fail(mpath, f"codebook entry is missing field {exc}")
-    for key, spec in specs.items():
-        if key not in tensors:
-            _fail(tpath, f"array {key!r} listed in the manifest is missing")
-        arr = tensors[key]
-        if str(arr.dtype) != spec["dtype"] or list(arr.shape) != spec["shape"]:
-            _fail(tpath, f"array {key!r} has dtype {arr.dtype} shape {list(arr.shape)}, "
-                         f"manifest says {spec['dtype']} {spec['shape']}")
-        if _sha256(np.ascontiguousarray(arr).tobytes()) != spec["sha256"]:
-            _fail(tpath, f"array {key!r} does not match its sha256 (corrupted)")
+        fail(mpath, f"codebook entry is missing field {exc}")
     try:
         if kind == Empirical.kind:
             density = Empirical(tensors[f"{name}.values.f64"], weights=tensors[f"{name}.masses.f64"])
             if density.params() != params:
-                _fail(mpath, f"{name}: stored empirical values do not match their recorded digest")
+                fail(mpath, f"{name}: stored empirical values do not match their recorded digest")
         else:
             density = density_from_params(kind, params)
-        levels = tensors[f"{name}.levels.f64"]
-        thresholds = tensors[f"{name}.thresholds.f64"]
-        cb = Codebook(levels=levels, thresholds=thresholds, mse=mse, density=density, bits=bits,
-                      solver=solver, iterations=iters, residual=residual, version=version, schema=schema)
+        cb = Codebook(levels=tensors[f"{name}.levels.f64"], thresholds=tensors[f"{name}.thresholds.f64"],
+                      mse=mse, density=density, bits=bits, solver=solver, iterations=iters,
+                      residual=residual, version=version, schema=schema)
     except TableFileError:
         raise
     except (KeyError, TypeError, ValueError) as exc:
-        _fail(mpath, f"codebook {name!r} is invalid: {exc}")
+        fail(mpath, f"codebook {name!r} is invalid: {exc}")
     if cb.name != name:
-        _fail(mpath, f"entry named {name!r} describes {cb.name!r}")
+        fail(mpath, f"entry named {name!r} describes {cb.name!r}")
+    if sorted(entry["arrays"]) != sorted(_arrays(cb)):
+        fail(mpath, f"{name}: unexpected arrays {sorted(entry['arrays'])}")
     for which in ("levels", "thresholds"):
-        f32 = tensors[f"{name}.{which}.f32"]
-        if not np.array_equal(f32, getattr(cb, which).astype(np.float32)):
-            _fail(tpath, f"{name}.{which}.f32 is not the float32 rounding of the float64 table")
+        if not np.array_equal(tensors[f"{name}.{which}.f32"], getattr(cb, which).astype(np.float32)):
+            fail(tpath, f"{name}.{which}.f32 is not the float32 rounding of the float64 table")
     exact = distortion(cb.density, cb.levels, cb.thresholds)
     if not abs(exact - cb.mse) <= _MSE_RTOL * max(exact, 1e-300):
-        _fail(mpath, f"{name}: recorded mse {cb.mse!r} differs from the table's exact distortion {exact!r}")
+        fail(mpath, f"{name}: recorded mse {cb.mse!r} differs from the table's exact distortion {exact!r}")
     return cb
 
 
@@ -354,38 +244,20 @@ def load_tables(folder) -> TableSet:
         Naming the file and the problem, on any missing, corrupted, truncated or inconsistent
         file. Nothing is returned partially.
     """
-    from safetensors import SafetensorError
-    from safetensors.numpy import load
-
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise TableFileError(f"{folder}: not a table folder (directory missing)")
+    art = load_artifacts(folder, KIND)
+    folder = art.folder
     mpath, tpath, hpath = folder / MANIFEST, folder / TENSORS, folder / HEADER
-    manifest = _parse_manifest(mpath, _read(mpath))
-    raw_t, raw_h = _read(tpath), _read(hpath)
-    for path, raw in ((tpath, raw_t), (hpath, raw_h)):
-        if manifest["files"].get(path.name) != _sha256(raw):
-            _fail(path, "sha256 does not match the manifest (corrupted, truncated or replaced)")
-    try:
-        tensors = load(raw_t)
-    except (SafetensorError, ValueError, OSError) as exc:
-        _fail(tpath, f"unreadable safetensors ({exc})")
-    listed = set()
+    if HEADER not in art.manifest["files"]:
+        fail(mpath, f"does not list {HEADER}")
     codebooks: dict[str, Codebook] = {}
-    for entry in manifest["codebooks"]:
-        cb = _load_entry(entry, tensors, tpath, mpath)
+    for entry in art.entries:
+        cb = _load_entry(entry, art.arrays, tpath, mpath)
         if cb.name in codebooks:
-            _fail(mpath, f"codebook {cb.name!r} is listed twice")
+            fail(mpath, f"codebook {cb.name!r} is listed twice")
         codebooks[cb.name] = cb
-        listed.update(entry["arrays"])
-    extra = sorted(set(tensors) - listed)
-    if extra:
-        _fail(tpath, f"arrays not listed in the manifest: {extra[:5]}")
     ordered = sorted(codebooks.values(), key=_sort_key)
     if [cb.name for cb in ordered] != list(codebooks):
-        _fail(mpath, "codebooks are not in canonical order")
-    if render_header(ordered) != raw_h:
-        _fail(hpath, "header does not match the tables (regenerated header differs)")
-    if not re.fullmatch(r"kvq-codebooks \S+", manifest["generator"]):
-        _fail(mpath, f"unexpected generator {manifest['generator']!r}")
-    return TableSet(folder, manifest, codebooks)
+        fail(mpath, "codebooks are not in canonical order")
+    if render_header(ordered) != art.file_bytes(HEADER):
+        fail(hpath, "header does not match the tables (regenerated header differs)")
+    return TableSet(folder, art.manifest, codebooks)

@@ -15,7 +15,9 @@ from hypothesis import strategies as st
 from codebooks import (Empirical, Gaussian, PolarAngle, SphereMarginal, TableFileError, lloyd_max,
                        load_tables, save_tables, shipped_tables)
 from codebooks.build import SHIPPED_DIR, build, default_densities
-from codebooks.tables import HEADER, MANIFEST, TENSORS, _canonical, _sha256
+from codebooks.artifacts import canonical_json as _canonical
+from codebooks.artifacts import sha256 as _sha256
+from codebooks.tables import HEADER, MANIFEST, TENSORS
 
 FILES = (MANIFEST, TENSORS, HEADER)
 
@@ -134,7 +136,7 @@ def test_semantic_edits_with_valid_checksums_are_refused(tiny_folder, tmp_path):
     work = tmp_path / "w"
     shutil.copytree(tiny_folder, work)
     manifest = json.loads((work / MANIFEST).read_text())
-    entry = next(e for e in manifest["codebooks"] if e["density"]["kind"] == "sphere")
+    entry = next(e for e in manifest["entries"] if e["density"]["kind"] == "sphere")
     entry["density"]["params"]["d"] = 9
     entry["name"] = "sphere_d9_b1"
     del manifest["manifest_sha256"]
