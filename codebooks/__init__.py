@@ -10,9 +10,11 @@ from .audit import AuditReport, audit, cell_integrals, distortion
 from .build import default_densities, shipped_tables
 from .codebook import Codebook, ConvergenceError
 from .densities import Density, Empirical, Gaussian, PolarAngle, SphereMarginal
+from .grouping import Grouping, equal_volume_groups
 from .solver import lloyd_max
 from .artifacts import Artifacts, load_artifacts, save_artifacts
 from .tables import TableFileError, TableSet, load_tables, save_tables
+from .vq import VQCodebook, ecvq, gain_shape_split, kmeans, train_group_codebooks
 
 __all__ = [
     "__version__", "TABLE_SCHEMA_VERSION",
@@ -20,5 +22,6 @@ __all__ = [
     "Codebook", "ConvergenceError", "lloyd_max",
     "distortion", "cell_integrals", "audit", "AuditReport",
     "save_tables", "load_tables", "TableSet", "TableFileError", "save_artifacts", "load_artifacts", "Artifacts",
-    "default_densities", "shipped_tables",
+    "default_densities", "shipped_tables", "Grouping", "equal_volume_groups", "VQCodebook", "kmeans", "ecvq",
+    "gain_shape_split", "train_group_codebooks",
 ]

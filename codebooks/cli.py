@@ -7,6 +7,7 @@ kvq-codebooks build --dist sphere --dim 64,128 --bits 1-8 --out DIR
 kvq-codebooks build --dist polar --level 1-4 --bits 1-4 --out DIR
 kvq-codebooks audit --dist sphere --dim 128 --levels=-0.133,-0.04,0.04,0.133
 kvq-codebooks show DIR
+kvq-codebooks calibrate --qkv captured.safetensors --out calib/
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 from ._version import __version__
 from .audit import audit
@@ -92,6 +94,68 @@ def _cmd_show(args) -> int:
     return 0
 
 
+def read_qkv(path) -> tuple[list[dict], int]:
+    """Captured attention inputs from a safetensors file.
+
+    Tensors ``layer{L}.q`` (Hq, T, d) and ``layer{L}.k``, ``layer{L}.v`` (Hkv, T, d), or with a
+    leading sequence axis (S, ..., T, d) for several calibration sequences.
+
+    Returns
+    -------
+    (sequences, d) : list of {layer: (q, k, v)}, head dimension
+    """
+    import re
+
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    try:
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise ValueError(f"--qkv {path}: not a readable safetensors file ({exc})") from None
+    layers = sorted({int(m.group(1)) for k in tensors if (m := re.fullmatch(r"layer(\d+)\.[qkv]", k))})
+    if not layers:
+        raise ValueError(f"--qkv {path}: no tensors named layer<L>.q/.k/.v")
+    seqs: list[dict] = []
+    d = None
+    for layer in layers:
+        try:
+            q, k, v = (tensors[f"layer{layer}.{x}"] for x in "qkv")
+        except KeyError as exc:
+            raise ValueError(f"--qkv {path}: layer {layer} lacks tensor {exc}") from None
+        if q.ndim == 3:
+            q, k, v = q[None], k[None], v[None]
+        if q.ndim != 4 or k.shape != v.shape or k.ndim != 4 or q.shape[0] != k.shape[0] \
+                or q.shape[2:] != k.shape[2:]:
+            raise ValueError(f"--qkv {path}: layer {layer} has shapes q {q.shape}, k {k.shape}, v {v.shape}; "
+                             "expected ([S,] Hq, T, d) and ([S,] Hkv, T, d)")
+        d = q.shape[-1] if d is None else d
+        if q.shape[-1] != d:
+            raise ValueError(f"--qkv {path}: layer {layer} has head dimension {q.shape[-1]}, others {d}")
+        while len(seqs) < q.shape[0]:
+            seqs.append({})
+        for i in range(q.shape[0]):
+            seqs[i][layer] = (q[i], k[i], v[i])
+    return seqs, d
+
+
+def _cmd_calibrate(args) -> int:
+    from .nova import calibrate
+
+    seqs, d = read_qkv(args.qkv)
+    t0 = time.perf_counter()
+    stats, model = calibrate(seqs, d, g=args.group, bits=args.bits, iterations=args.iterations, seed=args.seed,
+                             grouping=args.grouping, max_train_tokens=args.max_train_tokens)
+    out = Path(args.out)
+    model.save(out / "nova_kv")
+    stats.save(out / "calibration")
+    floored = sum(hd.key.n_floored for hd in model.heads.values())
+    print(f"calibrated {len(model.heads)} heads (d={d}, g={args.group}, {args.bits} bits) from {len(seqs)} "
+          f"sequence(s) in {time.perf_counter() - t0:.1f} s; {floored} query eigenvalues floored; "
+          f"wrote {out / 'nova_kv'} and {out / 'calibration'}")
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvq-codebooks", description="Exact Lloyd-Max codebooks and table files.")
     p.add_argument("--version", action="version", version=f"kvq-codebooks {__version__}")
@@ -117,6 +181,17 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--thresholds", help="the table's own thresholds (default: midpoints)")
     a.add_argument("--json", action="store_true", help="print the report as JSON")
     a.set_defaults(func=_cmd_audit)
+
+    c = sub.add_parser("calibrate", help="NOVA-KV/OSCAR transforms, groupings and VQ tables from captured Q/K/V")
+    c.add_argument("--qkv", required=True, help="safetensors with layer<L>.q/.k/.v tensors")
+    c.add_argument("--out", required=True, help="output folder (gets nova_kv/ and calibration/)")
+    c.add_argument("--group", type=int, default=4, help="coefficients per VQ group (default 4)")
+    c.add_argument("--bits", type=int, default=2, help="bits per coefficient (default 2)")
+    c.add_argument("--iterations", type=int, default=25, help="k-means iterations (default 25)")
+    c.add_argument("--grouping", default="swap", help="consecutive | round_robin | greedy | swap (default)")
+    c.add_argument("--max-train-tokens", type=int, default=32768, help="tokens per head for k-means")
+    c.add_argument("--seed", type=int, default=0)
+    c.set_defaults(func=_cmd_calibrate)
 
     s = sub.add_parser("show", help="list the codebooks of a table set")
     s.add_argument("folder")

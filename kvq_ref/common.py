@@ -84,6 +84,8 @@ def _plain(v):
         return tuple(_plain(e) for e in v)
     if isinstance(v, np.generic):
         return v.item()
+    if hasattr(v, "digest"):  # calibrated tables (e.g. codebooks.nova.NovaHead): identified by hash
+        return f"sha256:{v.digest}"
     return v
 
 

@@ -25,7 +25,7 @@ from abc import ABC, abstractmethod
 import numpy as np
 from numba import njit, prange
 
-__all__ = ["Rotation", "HaarRotation", "HadamardRotation", "make_rotation", "rng", "fwht", "fwht_row",
+__all__ = ["Rotation", "HaarRotation", "HadamardRotation", "MatrixRotation", "make_rotation", "rng", "fwht", "fwht_row",
            "hadamard_block_size", "STREAM_ROTATION", "STREAM_SKETCH", "STREAM_OUTLIER_SKETCH",
            "STREAM_MISC"]
 
@@ -185,6 +185,25 @@ class HadamardRotation(Rotation):
         self._check(y)
         x = fwht(np.asarray(y, dtype=np.float64) * self.signs2, self.block)
         return x[..., self.inv_perm] * self.signs1
+
+
+class MatrixRotation(Rotation):
+    """A given orthogonal matrix M (e.g. OSCAR's calibrated rotation): ``apply(x) = x @ M^T``."""
+
+    def __init__(self, matrix: np.ndarray):
+        m = np.asarray(matrix, dtype=np.float64)
+        if m.ndim != 2 or m.shape[0] != m.shape[1] or not np.allclose(m @ m.T, np.eye(m.shape[0]), atol=1e-10):
+            raise ValueError("matrix must be a square orthogonal matrix")
+        super().__init__(m.shape[0], 0)
+        self.m = m
+
+    def apply(self, x):
+        self._check(x)
+        return np.asarray(x, dtype=np.float64) @ self.m.T
+
+    def inverse(self, y):
+        self._check(y)
+        return np.asarray(y, dtype=np.float64) @ self.m
 
 
 def make_rotation(kind: str, d: int, seed: int) -> Rotation:

@@ -43,7 +43,7 @@ import numpy as np
 from .common import to_fp
 
 __all__ = ["RESOLUTION", "check_bits", "check_group", "check_clip_ratio", "group_starts", "group_range",
-           "stored_params", "quantize", "dequantize"]
+           "group_quantile_range", "stored_params", "quantize", "quantize_range", "dequantize"]
 
 #: Step 5: spreads below this fraction of the group's magnitude are stored as constants.
 RESOLUTION = 2.0**-10
@@ -106,6 +106,22 @@ def group_range(x: np.ndarray, group: int, axis: int = -1, clip_ratio: float = 1
         return np.zeros(shape), np.zeros(shape)
     starts = group_starts(n, group)
     return c * np.minimum.reduceat(x, starts, axis=axis), c * np.maximum.reduceat(x, starts, axis=axis)
+
+
+def group_quantile_range(x: np.ndarray, group: int, q: float, axis: int = -1):
+    """Clipped range ``(lo, hi) = (quantile(1 - q), quantile(q))`` of each group (OSCAR's clipping).
+
+    Quantiles use numpy's default linear interpolation between order statistics (kernels must match).
+    """
+    if isinstance(q, bool) or not isinstance(q, int | float | np.floating) or not 0.5 < q <= 1.0:
+        raise ValueError(f"clip quantile must be a number in (0.5, 1], got {q!r}")
+    x = np.asarray(x, dtype=np.float64)
+    axis = axis % x.ndim
+    starts = list(group_starts(x.shape[axis], group)) + [x.shape[axis]]
+    parts = [np.take(x, range(a, b), axis=axis) for a, b in zip(starts[:-1], starts[1:])]
+    lo = np.stack([np.quantile(p, 1.0 - q, axis=axis) for p in parts], axis=axis)
+    hi = np.stack([np.quantile(p, q, axis=axis) for p in parts], axis=axis)
+    return lo, hi
 
 
 def _code(x, m, s, levels, clip=True):
@@ -184,11 +200,19 @@ def quantize(x, bits: int, group: int, axis: int = -1, clip_ratio: float = 1.0):
     scales, minima : ndarray, float16, shape of ``x`` with ``axis`` of length ``ceil(n / group)``
     """
     x = np.asarray(x, dtype=np.float64)
+    return quantize_range(x, *group_range(x, check_group("group", group), axis, clip_ratio), bits, group, axis)
+
+
+def quantize_range(x, lo, hi, bits: int, group: int, axis: int = -1):
+    """Quantize ``x`` with given per-group ranges ``lo <= hi`` (shapes as ``group_range`` returns).
+
+    Returns (codes uint8, scales float16, minima float16) like ``quantize``.
+    """
+    x = np.asarray(x, dtype=np.float64)
     bits = check_bits("bits", bits)
     group = check_group("group", group)
     axis = axis % x.ndim
     n = x.shape[axis]
-    lo, hi = group_range(x, group, axis, clip_ratio)
     s, m = stored_params(lo, hi, bits)
     if n == 0:
         return np.zeros(x.shape, np.uint8), s, m

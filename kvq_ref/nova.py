@@ -1,0 +1,259 @@
+"""NOVA-KV (gain-shape VQ in attention-preserving coefficients) and OSCAR (calibrated rotation + INT2).
+
+Notes
+-----
+REFERENCE.md section 9. Both read a calibrated ``codebooks.nova.NovaHead``.
+
+NOVA-KV, role "key": ``c = (k - mu_k) S V`` (generalized Parseval: squared error in c is logit
+error), gain ``gamma = rms(c)`` stored as float16 and shape ``c / gamma16``; each equal-volume group of
+``g`` coefficients is replaced by the index of its nearest centroid (squared Euclidean distance,
+ties to the lower index; kernels must match) in that group's codebook of ``2^(bits g)`` entries.
+Stored per token: the indices (``bits g`` bits each, packed) and the gain: ``bits + 16/d`` bits per
+element (2.125 at d=128). Role "value": the same on the score-weighted KLT coefficients with a
+float32 gain (``bits + 32/d``, 2.25). Attention never inverse-transforms the cache: a query is
+mapped once to ``q_m = q S^-1 V`` and per group a table ``T_j[i] = q_m[G_j] . centroid_j[i]`` is
+formed, so ``q . k_hat = gamma * sum_j T_j[code_j] + q . mu_k``; value sums are accumulated as
+per-group histograms of ``p_t gamma_t`` over codes, multiplied by the centroids, and rotated back
+once. A zero coefficient vector has gain 0 and reconstructs to the mean.
+
+OSCAR: ``y = x R`` with the calibrated ``R = U H P_br``, per-token asymmetric INT2 over groups of
+128 channels with the range clipped to the group's ``clip``-quantile (0.96 keys, 0.92 values; linear
+interpolation) and the float16 rule of ``kvq_ref.uniform``; decode ``y_hat R^T``: ``2 + 32/128``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import ClassVar
+
+import numpy as np
+from numba import njit, prange
+
+from codebooks.nova import NovaHead
+
+from .common import Encoded, Quantizer, RotatedQuantizer, as_array, fp_dtype, row_norms, to_fp
+from .packing import pack_codes, packed_size, unpack_codes
+from .rotations import MatrixRotation
+from .uniform import dequantize, group_quantile_range, quantize_range
+
+__all__ = ["NovaKV", "Oscar"]
+
+
+@njit(parallel=True, cache=True)
+def nearest_centroids(shapes, groups, centroids, out):
+    """Per token and group, the index of the nearest centroid (ties: lower index).
+
+    shapes (N, d) float64, groups (G, g) int64, centroids (G, K, g) float64, out (N, G) uint8.
+    """
+    n = shapes.shape[0]
+    n_groups, k, g = centroids.shape
+    for r in prange(n):
+        for j in range(n_groups):
+            best = 0
+            best_d = np.inf
+            for i in range(k):
+                dist = 0.0
+                for t in range(g):
+                    diff = shapes[r, groups[j, t]] - centroids[j, i, t]
+                    dist += diff * diff
+                if dist < best_d:
+                    best_d = dist
+                    best = i
+            out[r, j] = best
+
+
+def _check_role(role):
+    if role not in ("key", "value"):
+        raise ValueError(f"role must be 'key' or 'value', got {role!r}")
+
+
+@dataclass(frozen=True)
+class NovaKV(Quantizer):
+    """NOVA-KV gain-shape VQ of one head's keys or values.
+
+    Parameters
+    ----------
+    head : codebooks.nova.NovaHead
+        Calibrated transforms, groups and codebooks.
+    role : {"key", "value"}
+
+    Notes
+    -----
+    Idempotent: a decoded token's coefficients are ``gamma16 * centroid`` per group, whose RMS is
+    generally not ``gamma16``, so re-encoding rescales the shape and can move an index. Not claimed.
+    """
+
+    head: NovaHead
+    role: str = "key"
+    name: ClassVar[str] = "nova_kv"
+    idempotent: ClassVar[bool] = False
+
+    def __post_init__(self):
+        if not isinstance(self.head, NovaHead):
+            raise TypeError(f"head must be a codebooks.nova.NovaHead, got {type(self.head).__name__}")
+        _check_role(self.role)
+
+    @property
+    def dim(self) -> int:
+        return self.head.d
+
+    @cached_property
+    def _tables(self):
+        h = self.head
+        if self.role == "key":
+            return h.key, h.key_groups, h.key_centroids.astype(np.float64), np.dtype(np.float16)
+        return h.value, h.value_groups, h.value_centroids.astype(np.float64), np.dtype(np.float32)
+
+    @property
+    def _code_bits(self) -> int:
+        return self.head.bits * self.head.g
+
+    def layout(self, shape):
+        lead = tuple(shape[:-1])
+        n_groups = self.dim // self.head.g
+        return {"codes": (lead + (packed_size(n_groups, self._code_bits),), np.dtype(np.uint8)),
+                "gains": (lead, self._tables[3])}
+
+    def encode(self, x) -> Encoded:
+        x = as_array("x", x, dim=self.dim)
+        transform, groups, centroids, gain_dtype = self._tables
+        c = np.ascontiguousarray(transform.coefficients(x.reshape(-1, self.dim)))
+        gains = to_fp("gains", row_norms(c) / np.sqrt(self.dim), gain_dtype)
+        g64 = gains.astype(np.float64)
+        shapes = np.divide(c, g64[:, None], out=np.zeros_like(c), where=g64[:, None] > 0)
+        codes = np.empty((c.shape[0], groups.shape[0]), dtype=np.uint8)
+        nearest_centroids(shapes, groups, centroids, codes)
+        lead = x.shape[:-1]
+        return self._make(x.shape, {"codes": pack_codes(codes, self._code_bits).reshape(lead + (-1,)),
+                                    "gains": gains.reshape(lead)})
+
+    def _parts(self, enc: Encoded):
+        """(codes (N, G) uint8, gains (N,) float64) after validation."""
+        self._check(enc)
+        packed = enc.arrays["codes"].reshape(-1, enc.arrays["codes"].shape[-1])
+        return (unpack_codes(packed, self._code_bits, self.dim // self.head.g),
+                enc.arrays["gains"].reshape(-1).astype(np.float64))
+
+    def _coefficients(self, codes, gains):
+        _, groups, centroids, _ = self._tables
+        c = np.zeros((codes.shape[0], self.dim))
+        for j in range(groups.shape[0]):
+            c[:, groups[j]] = centroids[j][codes[:, j]]
+        return c * gains[:, None]
+
+    def decode(self, enc: Encoded) -> np.ndarray:
+        codes, gains = self._parts(enc)
+        transform = self._tables[0]
+        return transform.reconstruct(self._coefficients(codes, gains)).astype(np.float32).reshape(enc.shape)
+
+    def prepare_query(self, q):
+        """``[q_m, q . mu]``: the query in coefficient space and its constant offset, shape (m, d+1)."""
+        transform = self._tables[0]
+        qm = transform.query(q) if self.role == "key" else q @ transform.basis
+        return np.concatenate([qm, (q @ transform.mu)[:, None]], axis=1)
+
+    def scores(self, q_prepared, enc):
+        codes, gains = self._parts(enc)
+        _, groups, centroids, _ = self._tables
+        qm, offset = q_prepared[:, :-1], q_prepared[:, -1]
+        total = np.zeros((qm.shape[0], codes.shape[0]))
+        for j in range(groups.shape[0]):
+            lut = qm[:, groups[j]] @ centroids[j].T  # (m, K): one table per query and group
+            total += lut[:, codes[:, j]]
+        return total * gains + offset[:, None]
+
+    def accumulate(self, p, enc):
+        codes, gains = self._parts(enc)
+        transform, groups, centroids, _ = self._tables
+        w = p * gains  # (m, N)
+        c = np.zeros((p.shape[0], self.dim))
+        k = centroids.shape[1]
+        for j in range(groups.shape[0]):
+            hist = np.zeros((p.shape[0], k))
+            np.add.at(hist.T, codes[:, j], w.T)  # per code, the summed weights
+            c[:, groups[j]] = hist @ centroids[j]
+        mu_term = p.sum(axis=1, keepdims=True) * transform.mu
+        if self.role == "key":
+            return c @ transform.inverse + mu_term
+        return c @ transform.basis.T + mu_term
+
+
+@dataclass(frozen=True)
+class Oscar(RotatedQuantizer):
+    """OSCAR: calibrated rotation ``R = U H P_br`` then clipped asymmetric integer groups per token.
+
+    Parameters
+    ----------
+    head : codebooks.nova.NovaHead
+        Holds the calibrated rotations.
+    role : {"key", "value"}
+    bits : int
+        1..8 (2 in OSCAR).
+    group : int
+        Channels per group (128; capped at d).
+    clip : float, optional
+        Quantile of each group's range (default 0.96 for keys, 0.92 for values).
+
+    Notes
+    -----
+    Not idempotent: clipping shrinks the range again on every re-encode.
+    """
+
+    head: NovaHead
+    role: str = "key"
+    bits: int = 2
+    group: int = 128
+    clip: float | None = None
+    name: ClassVar[str] = "oscar"
+    idempotent: ClassVar[bool] = False
+
+    def __post_init__(self):
+        if not isinstance(self.head, NovaHead):
+            raise TypeError(f"head must be a codebooks.nova.NovaHead, got {type(self.head).__name__}")
+        _check_role(self.role)
+        if isinstance(self.bits, bool) or not isinstance(self.bits, int) or not 1 <= self.bits <= 8:
+            raise ValueError(f"bits must be an integer in 1..8, got {self.bits!r}")
+        if isinstance(self.group, bool) or not isinstance(self.group, int) or self.group < 1:
+            raise ValueError(f"group must be a positive integer, got {self.group!r}")
+        if self.dim % self.g:
+            raise ValueError(f"group {self.g} must divide the head dimension {self.dim}")
+        if self.clip is None:
+            object.__setattr__(self, "clip", 0.96 if self.role == "key" else 0.92)
+        group_quantile_range(np.zeros((1, 2)), 2, self.clip)  # validates clip
+
+    @property
+    def dim(self) -> int:
+        return self.head.d
+
+    @property
+    def g(self) -> int:
+        return min(self.group, self.dim)
+
+    @cached_property
+    def rot(self) -> MatrixRotation:
+        # y = x R  <=>  apply(x) = x M^T with M = R^T
+        return MatrixRotation((self.head.oscar_key if self.role == "key" else self.head.oscar_value).T)
+
+    def layout(self, shape):
+        lead = tuple(shape[:-1])
+        n_groups = self.dim // self.g
+        return {"codes": (lead + (packed_size(self.dim, self.bits),), np.dtype(np.uint8)),
+                "scales": (lead + (n_groups,), fp_dtype("float16")),
+                "minima": (lead + (n_groups,), fp_dtype("float16"))}
+
+    def encode(self, x) -> Encoded:
+        x = as_array("x", x, dim=self.dim)
+        y = self.rot.apply(x.reshape(-1, self.dim))
+        lo, hi = group_quantile_range(y, self.g, self.clip)
+        codes, scales, minima = quantize_range(y, lo, hi, self.bits, self.g)
+        lead = x.shape[:-1]
+        return self._make(x.shape, {"codes": pack_codes(codes, self.bits).reshape(lead + (-1,)),
+                                    "scales": scales.reshape(lead + (-1,)), "minima": minima.reshape(lead + (-1,))})
+
+    def _rotated(self, enc: Encoded) -> np.ndarray:
+        self._check(enc)
+        a = enc.arrays
+        codes = unpack_codes(a["codes"].reshape(-1, a["codes"].shape[-1]), self.bits, self.dim)
+        n_groups = self.dim // self.g
+        return dequantize(codes, a["scales"].reshape(-1, n_groups), a["minima"].reshape(-1, n_groups), self.g)
