@@ -281,28 +281,65 @@ def kmeans_pp_init(X, k: int, seed: int = 0, weights=None) -> np.ndarray:
 
     Seed 1 is drawn with probability proportional to ``weights``, each next one proportional to
     ``w_i D_i^2`` (``D_i``: distance to the nearest seed so far; if all are 0, to ``weights``
-    again, repeating a point), by one ``np.random.default_rng(seed)`` uniform per seed inverted
-    through the cumulative sum: deterministic given ``seed``.
+    again, repeating a point), by one ``np.random.default_rng(seed)`` uniform per seed (drawn up
+    front) inverted through the cumulative sum: deterministic given ``seed``.
     """
     X = _data("X", X)
     k = check_int("k", k, 1)
     if k > X.shape[0]:
         raise ValueError(f"k={k} centroids need at least {k} rows of X, got {X.shape[0]}")
     w = _weights(weights, X.shape[0])
-    rng = np.random.default_rng(_seed(seed))
+    u = np.random.default_rng(_seed(seed)).random(k)
+    return _kmeans_pp(X, w, u)
 
-    def draw(p):
-        cum = np.cumsum(p)
-        i = int(np.searchsorted(cum, rng.random() * cum[-1], side="right"))
-        return min(i, int(np.flatnonzero(p > 0)[-1]))  # guard u * total rounding up to total
 
-    seeds = np.empty((k, X.shape[1]))
-    seeds[0] = X[draw(w)]
-    d2 = np.sum((X - seeds[0]) ** 2, axis=1)
+@njit(cache=True)
+def _draw(p, u):
+    """Index i with probability p_i / sum(p): the first i whose cumulative sum exceeds u * total
+    (``searchsorted(cumsum(p), u * total, side="right")``), capped at the last positive p_i."""
+    total = 0.0
+    last = 0
+    for i in range(p.shape[0]):
+        total += p[i]
+        if p[i] > 0.0:
+            last = i
+    target = u * total
+    acc = 0.0
+    for i in range(p.shape[0]):
+        acc += p[i]
+        if acc > target:
+            return min(i, last)
+    return last
+
+
+@njit(cache=True)
+def _kmeans_pp(X, w, u):
+    """k-means++ seeding with the pre-drawn uniforms ``u`` (one per seed)."""
+    n, g = X.shape
+    k = u.shape[0]
+    seeds = np.empty((k, g))
+    seeds[0] = X[_draw(w, u[0])]
+    d2 = np.empty(n)
+    for i in range(n):
+        s = 0.0
+        for t in range(g):
+            r = X[i, t] - seeds[0, t]
+            s += r * r
+        d2[i] = s
+    p = np.empty(n)
     for j in range(1, k):
-        p = w * d2
-        seeds[j] = X[draw(p if p.sum() > 0 else w)]
-        d2 = np.minimum(d2, np.sum((X - seeds[j]) ** 2, axis=1))
+        total = 0.0
+        for i in range(n):
+            p[i] = w[i] * d2[i]
+            total += p[i]
+        seeds[j] = X[_draw(p if total > 0.0 else w, u[j])]
+        for i in range(n):
+            s = 0.0
+            for t in range(g):
+                r = X[i, t] - seeds[j, t]
+                s += r * r
+            if s < d2[i]:
+                d2[i] = s
     return seeds
 
 
