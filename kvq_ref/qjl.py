@@ -120,6 +120,11 @@ class QJL(Quantizer):
     def idempotent(self) -> bool:  # type: ignore[override]
         return self.role == "value"
 
+    @property
+    def estimator(self) -> bool:  # type: ignore[override]
+        """Keys are scored by the unbiased sketch estimator, values by their reconstruction."""
+        return self.role == "key"
+
     @cached_property
     def sketches(self) -> tuple[QJLSketch, QJLSketch]:
         """(inlier sketch, m x dim; outlier sketch, m_outlier x dim)."""

@@ -161,6 +161,7 @@ class TurboQuantProd(Quantizer):
     norm_dtype: str = "float16"
     name: ClassVar[str] = "turboquant_prod"
     idempotent: ClassVar[bool] = False
+    estimator: ClassVar[bool] = True
 
     def __post_init__(self):
         _check_common(self.dim, self.bits, 1, 9, self.rotation, self.seed, self.norm_dtype)

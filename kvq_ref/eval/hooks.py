@@ -1,0 +1,311 @@
+"""Attention inside a transformers model: exact capture, streaming-quantized attention, a Cache.
+
+One attention function, registered as ``"kvq"`` with transformers' ``AttentionInterface`` (and the
+sdpa mask with ``AttentionMaskInterface``), reads the active ``Session``:
+
+* no session / ``mode="off"``: stock sdpa (the function is then transparent);
+* ``mode="capture"``: stock sdpa, and the post-RoPE q, k, v of every layer (before the GQA repeat)
+  are recorded;
+* ``mode="simulate"``: teacher-forced streaming quantization. Token t is seen by the query at
+  position i in 16 bits if it is in the method's band (``t < sink`` or ``i - t < window``), else
+  through the method (its ``scores`` for logits, its ``accumulate`` for values). This is what a
+  decoder reading a quantized cache computes at every position, in one forward pass;
+* ``mode="cache"``: decoding with a ``QuantizedCache``. The first prefill (empty cache) attends in
+  full precision, as deployments that quantize after prefill do; every later call (decode steps, or
+  a chunk such as a question appended to a cached document) attends over the cache's quantized
+  store: float16 sink and window tokens, encoded middle tokens. The middle tokens are decoded once
+  when they are written (``q . decode(k)`` equals the methods' rotated-query scores up to float32
+  rounding); keys of estimator methods (QJL, TurboQuant_prod) are scored by their estimator.
+
+Sliding-window layers (Gemma) keep their window: a key farther back than ``module.sliding_window``
+is masked in every mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..common import Encoded, Quantizer
+from .methods import MethodSpec
+
+__all__ = ["Session", "session", "register", "QuantizedCache", "ATTN_IMPLEMENTATION", "concat_encoded"]
+
+ATTN_IMPLEMENTATION = "kvq"
+_ACTIVE: list["Session"] = []
+CHUNK = 32  # tokens leave the 16-bit window in chunks of 32 (KIVI/QJL token groups align with it)
+
+
+@dataclass
+class Session:
+    """What the ``kvq`` attention function does while the session is active."""
+
+    mode: str = "off"
+    spec: MethodSpec | None = None
+    cache: "QuantizedCache | None" = None
+    captured: dict = field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def session(mode: str = "off", spec: MethodSpec | None = None, cache: "QuantizedCache | None" = None):
+    """Activate a ``Session`` (nesting is allowed; the innermost one is used)."""
+    if mode not in ("off", "capture", "simulate", "cache"):
+        raise ValueError(f"mode must be off, capture, simulate or cache, got {mode!r}")
+    if mode in ("simulate", "cache") and spec is None:
+        raise ValueError(f"mode {mode!r} needs a MethodSpec")
+    if mode == "cache" and cache is None:
+        raise ValueError("mode 'cache' needs a QuantizedCache")
+    s = Session(mode, spec, cache)
+    _ACTIVE.append(s)
+    try:
+        yield s
+    finally:
+        _ACTIVE.remove(s)
+
+
+def _window_of(module) -> int | None:
+    w = getattr(module, "sliding_window", None)
+    return int(w) if w else None
+
+
+def _allowed(q_pos: np.ndarray, k_pos: np.ndarray, sliding: int | None) -> np.ndarray:
+    ok = k_pos[None, :] <= q_pos[:, None]
+    if sliding is not None:
+        ok &= q_pos[:, None] - k_pos[None, :] < sliding
+    return ok
+
+
+def _softmax(z: np.ndarray) -> np.ndarray:
+    z = z - np.max(z, axis=-1, keepdims=True)
+    e = np.exp(z)
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def _fp16(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float16).astype(np.float64)
+
+
+def _simulate(module, query, key, value, scaling, spec: MethodSpec):
+    """Streaming-quantized attention for a full sequence (batch 1, no cache)."""
+    q = query[0].double().numpy()  # (H, T, d)
+    k = key[0].double().numpy()  # (Hkv, T, d)
+    v = value[0].double().numpy()
+    hq, t, d = q.shape
+    g = hq // k.shape[0]
+    pos = np.arange(t)
+    allowed = _allowed(pos, pos, _window_of(module))
+    band = (pos[None, :] < spec.sink) | (pos[:, None] - pos[None, :] < spec.window)
+    out = np.empty((hq, t, d))
+    layer = module.layer_idx
+    for h in range(k.shape[0]):
+        km, vm = spec.key(layer, h, d), spec.value(layer, h, d)
+        qg = q[h * g:(h + 1) * g].reshape(-1, d)
+        exact = qg @ _fp16(k[h]).T
+        quant = km.scores(km.prepare_query(qg), km.encode(k[h])) if km is not None else exact
+        z = np.where(np.tile(band, (g, 1)), exact, quant) * scaling
+        z = np.where(np.tile(allowed, (g, 1)), z, -np.inf)
+        p = _softmax(z)
+        pb = np.where(np.tile(band, (g, 1)), p, 0.0)
+        o = pb @ _fp16(v[h])
+        if vm is not None:
+            o = o + vm.accumulate(p - pb, vm.encode(v[h]))
+        else:
+            o = o + (p - pb) @ _fp16(v[h])
+        out[h * g:(h + 1) * g] = o.reshape(g, t, d)
+    return torch.from_numpy(out).to(query.dtype).transpose(0, 1).unsqueeze(0), None
+
+
+def _stock(module, query, key, value, attention_mask, **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def kvq_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The registered attention function (see the module docstring)."""
+    s = _ACTIVE[-1] if _ACTIVE else None
+    scaling = module.scaling if scaling is None else scaling
+    if s is None or s.mode == "off":
+        return _stock(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    if query.shape[0] != 1:
+        raise ValueError("kvq attention evaluates one sequence at a time (batch size 1)")
+    if s.mode == "capture":
+        s.captured.setdefault(module.layer_idx, []).append(
+            tuple(x[0].detach().float().numpy().copy() for x in (query, key, value)))
+        return _stock(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    if s.mode == "simulate":
+        return _simulate(module, query, key, value, scaling, s.spec)
+    return s.cache.attend(module, query, scaling, attention_mask, key, value, kwargs)
+
+
+def register() -> str:
+    """Register the ``kvq`` attention and mask functions; returns the implementation name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, kvq_attention)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+    return ATTN_IMPLEMENTATION
+
+
+def concat_encoded(method: Quantizer, parts: list[Encoded]) -> Encoded:
+    """Concatenate encodings of consecutive token chunks (every array along axis 0).
+
+    Valid for methods whose stored arrays lead with the token axis (or with whole token groups
+    when chunks hold whole groups); the result is checked against the method's layout.
+    """
+    if len(parts) == 1:
+        return parts[0]
+    shape = (sum(p.shape[0] for p in parts),) + tuple(parts[0].shape[1:])
+    arrays = {k: np.concatenate([p.arrays[k] for p in parts], axis=0) for k in parts[0].arrays}
+    enc = Encoded(parts[0].method, parts[0].config, shape, arrays)
+    method._check(enc)
+    return enc
+
+
+def _make_cache_base():
+    from transformers import DynamicCache
+
+    return DynamicCache
+
+
+class _Store:
+    """One layer's quantized store: per KV head, float16 sink/window tokens and encoded middle."""
+
+    def __init__(self, spec: MethodSpec, layer: int, n_heads: int, d: int):
+        self.spec, self.layer, self.d = spec, layer, d
+        self.n = 0  # tokens written
+        self.sink_k = [np.empty((0, d)) for _ in range(n_heads)]
+        self.sink_v = [np.empty((0, d)) for _ in range(n_heads)]
+        self.win_k = [np.empty((0, d)) for _ in range(n_heads)]
+        self.win_v = [np.empty((0, d)) for _ in range(n_heads)]
+        self.enc_k: list[Encoded | None] = [None] * n_heads
+        self.enc_v: list[Encoded | None] = [None] * n_heads
+        # decoded middle tokens (float32), kept so that each decode step does not decode again;
+        # keys of estimator methods (QJL sketches) are always scored through the method instead
+        self.dec_k = [np.empty((0, d), np.float32) for _ in range(n_heads)]
+        self.dec_v = [np.empty((0, d), np.float32) for _ in range(n_heads)]
+        self.n_mid = 0
+
+    def write(self, k: np.ndarray, v: np.ndarray) -> None:
+        """Append new tokens (Hkv, T, d); tokens leaving the window are encoded in chunks."""
+        spec = self.spec
+        for h in range(k.shape[0]):
+            kk, vv = k[h], v[h]
+            take = max(0, min(spec.sink - self.sink_k[h].shape[0], kk.shape[0]))
+            self.sink_k[h] = np.concatenate([self.sink_k[h], _fp16(kk[:take])])
+            self.sink_v[h] = np.concatenate([self.sink_v[h], _fp16(vv[:take])])
+            self.win_k[h] = np.concatenate([self.win_k[h], kk[take:]])
+            self.win_v[h] = np.concatenate([self.win_v[h], vv[take:]])
+            excess = self.win_k[h].shape[0] - spec.window
+            n_out = (excess // CHUNK) * CHUNK if excess >= CHUNK else 0
+            km, vm = spec.key(self.layer, h, self.d), spec.value(self.layer, h, self.d)
+            if n_out:
+                # one call for all whole chunks: token groups of 32 align with the chunks, so this is
+                # what encoding chunk by chunk and concatenating gives
+                old_k, old_v = self.win_k[h][:n_out], self.win_v[h][:n_out]
+                self.win_k[h], self.win_v[h] = self.win_k[h][n_out:], self.win_v[h][n_out:]
+                new_k, new_v = km.encode(old_k), vm.encode(old_v)
+                self.enc_k[h] = concat_encoded(km, ([self.enc_k[h]] if self.enc_k[h] else []) + [new_k])
+                self.enc_v[h] = concat_encoded(vm, ([self.enc_v[h]] if self.enc_v[h] else []) + [new_v])
+                if not km.estimator:
+                    self.dec_k[h] = np.concatenate([self.dec_k[h], km.decode(new_k)])
+                self.dec_v[h] = np.concatenate([self.dec_v[h], vm.decode(new_v)])
+        self.n += k.shape[1]
+        self.n_mid = self.enc_k[0].shape[0] if self.enc_k[0] is not None else 0
+
+    def positions(self, h: int):
+        """(sink positions, middle positions, window positions)."""
+        s = self.sink_k[h].shape[0]
+        return np.arange(s), np.arange(s, s + self.n_mid), np.arange(s + self.n_mid, self.n)
+
+    def bits(self) -> tuple[float, int]:
+        """(stored bits, elements) over keys and values of this layer."""
+        nbytes = 0
+        for h in range(len(self.sink_k)):
+            nbytes += 2 * (self.sink_k[h].size + self.sink_v[h].size + self.win_k[h].size + self.win_v[h].size)
+            nbytes += sum(e.nbytes for e in (self.enc_k[h], self.enc_v[h]) if e is not None)
+        return 8.0 * nbytes, 2 * self.n * self.d * len(self.sink_k)
+
+
+class QuantizedCache(_make_cache_base()):
+    """A transformers ``DynamicCache`` that also keeps a quantized store of every layer.
+
+    ``update`` stores the new full-precision states (so stock attention still works) and writes
+    them to the layer's store, where tokens leaving the method's 16-bit window are encoded in
+    chunks of 32. Inside ``session(mode="cache", ...)`` the ``kvq`` attention reads the store, so
+    ``model.generate(..., past_key_values=QuantizedCache(spec))`` decodes over the quantized cache.
+
+    Parameters
+    ----------
+    spec : MethodSpec
+    exact_prefill : bool
+        The first forward call over an empty cache attends in full precision (default True).
+    """
+
+    def __init__(self, spec: MethodSpec, exact_prefill: bool = True, **kwargs):
+        super().__init__(**kwargs)
+        self.spec = spec
+        self.exact_prefill = exact_prefill
+        self.stores: dict[int, _Store] = {}
+        self._first = True
+
+    @classmethod
+    def from_cache(cls, cache, spec: MethodSpec) -> "QuantizedCache":
+        """A quantized cache holding what a (full-precision) ``DynamicCache`` holds: one exact
+        prefill can then be shared by every method. Later calls attend over the quantized store."""
+        out = cls(spec)
+        for layer_idx, layer in enumerate(cache.layers):
+            out.update(layer.keys, layer.values, layer_idx)
+        out._first = False
+        return out
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if layer_idx == 0 and self.stores.get(0) is not None and self.stores[0].n > 0:
+            self._first = False
+        k = key_states[0].detach().double().numpy()
+        v = value_states[0].detach().double().numpy()
+        store = self.stores.setdefault(layer_idx, _Store(self.spec, layer_idx, k.shape[0], k.shape[-1]))
+        store.write(k, v)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def bits_per_element(self) -> float:
+        """Stored bits per element of every layer's keys and values (band at 16 bits)."""
+        bits = [s.bits() for s in self.stores.values()]
+        return sum(b for b, _ in bits) / sum(n for _, n in bits)
+
+    def attend(self, module, query, scaling, attention_mask, key, value, kwargs):
+        """Attention of the new queries over the store (or exact, for the first prefill)."""
+        if self._first and self.exact_prefill:
+            return _stock(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+        store = self.stores[module.layer_idx]
+        q = query[0].double().numpy()
+        hq, tq, d = q.shape
+        n_kv = len(store.sink_k)
+        g = hq // n_kv
+        q_pos = np.arange(store.n - tq, store.n)
+        out = np.empty((hq, tq, d))
+        sliding = _window_of(module)
+        for h in range(n_kv):
+            km, vm = self.spec.key(module.layer_idx, h, d), self.spec.value(module.layer_idx, h, d)
+            p_s, p_m, p_w = store.positions(h)
+            qg = q[h * g:(h + 1) * g].reshape(-1, d)
+            band_k = np.concatenate([store.sink_k[h], _fp16(store.win_k[h])])
+            band_v = np.concatenate([store.sink_v[h], _fp16(store.win_v[h])])
+            pos = np.concatenate([p_s, p_w, p_m])
+            z = np.empty((qg.shape[0], pos.size))
+            z[:, : band_k.shape[0]] = qg @ band_k.T
+            if p_m.size:
+                z[:, band_k.shape[0]:] = (km.scores(km.prepare_query(qg), store.enc_k[h]) if km.estimator
+                                          else qg @ store.dec_k[h].T)
+            ok = np.tile(_allowed(q_pos, pos, sliding), (g, 1))
+            p = _softmax(np.where(ok, z * scaling, -np.inf))
+            o = p[:, : band_k.shape[0]] @ band_v
+            if p_m.size:
+                o = o + p[:, band_k.shape[0]:] @ store.dec_v[h]
+            out[h * g:(h + 1) * g] = o.reshape(g, tq, d)
+        return torch.from_numpy(out).to(query.dtype).transpose(0, 1).unsqueeze(0), None

@@ -1,0 +1,207 @@
+"""The methods the evaluation compares, as factories of per-(layer, KV head) quantizers.
+
+Each ``MethodSpec`` names a key and a value quantizer for every head (seeded per layer and head,
+so rotations and sketches differ between heads as in a real deployment) and the 16-bit band the
+method keeps: NOVA-KV and OSCAR keep the first 64 and last 256 tokens (REFERENCE.md section 9),
+KIVI and QJL their recent full-precision residual of 128 tokens (sections 7-8), the others none.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Callable, ClassVar
+
+import numpy as np
+
+from ..common import Encoded, Quantizer, as_array
+from ..kivi import KIVI
+from ..polarquant import PolarQuant
+from ..qjl import QJL
+from ..quarot import QuaRot
+from ..turbo_block import TurboBlock
+from ..turboquant import TurboQuantMSE, TurboQuantProd, TurboQuantSplit
+
+__all__ = ["MethodSpec", "Identity", "Blocked", "METHODS", "DEFAULT_METHODS", "make_spec"]
+
+
+@dataclass(frozen=True)
+class Identity(Quantizer):
+    """Stores float32 exactly: the lossless method that tests the evaluation pipeline."""
+
+    dim: int
+    name: ClassVar[str] = "identity"
+
+    def layout(self, shape):
+        return {"values": (tuple(shape), np.dtype(np.float32))}
+
+    def encode(self, x) -> Encoded:
+        x = as_array("x", x, dim=self.dim)
+        return self._make(x.shape, {"values": x.astype(np.float32)})
+
+    def decode(self, enc: Encoded) -> np.ndarray:
+        self._check(enc)
+        return enc.arrays["values"].copy()
+
+
+@dataclass(frozen=True)
+class Blocked(Quantizer):
+    """Applies a fixed-size block quantizer (e.g. a 32-value TurboBlock) to every block of a vector.
+
+    Parameters
+    ----------
+    inner : Quantizer
+        With ``inner.dim`` (or ``inner.block``) dividing ``dim``.
+    dim : int
+    """
+
+    inner: Quantizer
+    dim: int
+    name: ClassVar[str] = "blocked"
+    idempotent: ClassVar[bool] = False
+
+    @property
+    def b(self) -> int:
+        return getattr(self.inner, "block", None) or self.inner.dim
+
+    def __post_init__(self):
+        if self.dim % self.b:
+            raise ValueError(f"block size {self.b} must divide dim {self.dim}")
+
+    @property
+    def config(self):
+        return {"inner": self.inner.name, **self.inner.config, "dim": self.dim}
+
+    def _inner_shape(self, shape):
+        return tuple(shape[:-1]) + (shape[-1] // self.b, self.b)
+
+    def layout(self, shape):
+        return self.inner.layout(self._inner_shape(shape))
+
+    def encode(self, x) -> Encoded:
+        x = as_array("x", x, dim=self.dim)
+        inner = self.inner.encode(x.reshape(self._inner_shape(x.shape)))
+        return self._make(x.shape, dict(inner.arrays))
+
+    def decode(self, enc: Encoded) -> np.ndarray:
+        self._check(enc)
+        inner = Encoded(self.inner.name, self.inner.config, self._inner_shape(enc.shape), enc.arrays)
+        return self.inner.decode(inner).reshape(enc.shape)
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """A method of the evaluation: per-head key/value quantizers and its 16-bit band.
+
+    Attributes
+    ----------
+    name : str
+    make : callable (layer, head, role, d) -> Quantizer
+    sink, window : int
+        Tokens kept in float16 at the start and at the end.
+    nominal_bits : float
+        The method's advertised bits per element (stored rates are measured separately).
+    calibrated : bool
+        Needs NOVA-KV/OSCAR tables (``make`` then reads ``tables``).
+    """
+
+    name: str
+    make: Callable
+    sink: int = 0
+    window: int = 0
+    nominal_bits: float = 16.0
+    calibrated: bool = False
+    tables: object = None  # compared by identity: a spec per calibration
+
+    def key(self, layer: int, head: int, d: int) -> Quantizer:
+        return _instance(self, layer, head, "key", d)
+
+    def value(self, layer: int, head: int, d: int) -> Quantizer:
+        return _instance(self, layer, head, "value", d)
+
+
+@lru_cache(maxsize=4096)
+def _instance(spec: MethodSpec, layer: int, head: int, role: str, d: int) -> Quantizer:
+    return spec.make(layer, head, role, d, spec.tables)
+
+
+def _seed(layer: int, head: int, role: str) -> int:
+    return 1000 * layer + 10 * head + (role == "value")
+
+
+def _tq(bits):
+    return lambda l, h, r, d, t: TurboQuantMSE(d, bits, seed=_seed(l, h, r))
+
+
+def _prod(bits):
+    return lambda l, h, r, d, t: (TurboQuantProd(d, bits, seed=_seed(l, h, r)) if r == "key"
+                                  else TurboQuantMSE(d, bits, seed=_seed(l, h, r)))
+
+
+def _split(rate):
+    def make(layer, head, role, d, tables):
+        # outlier channels by calibration magnitude: RMS of the calibration keys/values per channel
+        rms = tables.channel_rms(layer, head, role)
+        hi = int(np.ceil(rate))
+        top = np.argsort(-rms, kind="stable")[: d // 4]
+        return TurboQuantSplit(d, tuple(int(i) for i in top), hi, hi - 1, seed=_seed(layer, head, role))
+    return make
+
+
+def _turbo(fmt):
+    def make(layer, head, role, d, tables):
+        block = 128 if d % 128 == 0 else 32
+        inner = TurboBlock(fmt, block, seed=_seed(layer, head, role))
+        return inner if d == block else Blocked(inner, d)
+    return make
+
+
+def _nova(layer, head, role, d, tables):
+    from ..nova import NovaKV
+
+    return NovaKV(tables.model.head(layer, head), role)
+
+
+def _oscar(layer, head, role, d, tables):
+    from ..nova import Oscar
+
+    return Oscar(tables.model.head(layer, head), role)
+
+
+METHODS: dict[str, dict] = {
+    "identity": dict(make=lambda l, h, r, d, t: Identity(d), nominal_bits=32.0),
+    "tq_mse2": dict(make=_tq(2), nominal_bits=2.0),
+    "tq_mse3": dict(make=_tq(3), nominal_bits=3.0),
+    "tq_mse4": dict(make=_tq(4), nominal_bits=4.0),
+    "tq_prod3": dict(make=_prod(3), nominal_bits=3.0),
+    "tq_prod4": dict(make=_prod(4), nominal_bits=4.0),
+    "tq_split2.5": dict(make=_split(2.5), nominal_bits=2.5, calibrated=True),
+    "tq_split3.5": dict(make=_split(3.5), nominal_bits=3.5, calibrated=True),
+    "qjl": dict(make=lambda l, h, r, d, t: QJL(d, r, m=2 * d, m_outlier=d // 4, seed=_seed(l, h, r)),
+                window=128, nominal_bits=3.0),
+    "polarquant": dict(make=lambda l, h, r, d, t: PolarQuant(d, seed=_seed(l, h, r)), nominal_bits=3.875),
+    "kivi2": dict(make=lambda l, h, r, d, t: KIVI(d, 2, r, group=32, residual=32), window=128, nominal_bits=2.0),
+    "kivi4": dict(make=lambda l, h, r, d, t: KIVI(d, 4, r, group=32, residual=32), window=128, nominal_bits=4.0),
+    "quarot2": dict(make=lambda l, h, r, d, t: QuaRot(d, 2, group=min(128, d), seed=_seed(l, h, r)),
+                    nominal_bits=2.25),
+    "quarot4": dict(make=lambda l, h, r, d, t: QuaRot(d, 4, group=min(128, d), seed=_seed(l, h, r)),
+                    nominal_bits=4.25),
+    "turbo3": dict(make=_turbo("turbo3"), nominal_bits=3.125),
+    "turbo4": dict(make=_turbo("turbo4"), nominal_bits=4.25),
+    "oscar": dict(make=_oscar, sink=64, window=256, nominal_bits=2.28, calibrated=True),
+    "nova": dict(make=_nova, sink=64, window=256, nominal_bits=2.22, calibrated=True),
+}
+
+#: The issue's comparison set (the fp32 baseline is run as "fp32", without quantization).
+DEFAULT_METHODS = ("tq_mse2", "tq_mse3", "tq_mse4", "tq_prod3", "tq_prod4", "tq_split2.5", "tq_split3.5",
+                   "qjl", "polarquant", "kivi2", "kivi4", "quarot2", "quarot4", "turbo3", "turbo4", "oscar", "nova")
+
+
+def make_spec(name: str, tables=None) -> MethodSpec:
+    """The ``MethodSpec`` of a registered method (``tables`` for calibrated ones)."""
+    if name not in METHODS:
+        raise ValueError(f"unknown method {name!r}; known: {', '.join(sorted(METHODS))}")
+    kw = METHODS[name]
+    if kw.get("calibrated") and tables is None:
+        raise ValueError(f"method {name!r} needs calibration tables")
+    return MethodSpec(name=name, tables=tables, **kw)

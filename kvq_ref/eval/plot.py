@@ -1,0 +1,102 @@
+"""Charts of the evaluation, drawn only from its JSON results."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["load_results", "plot_results", "summary_table"]
+
+
+def load_results(folder, model: str) -> dict:
+    """{"lm": {method: row}, "layers": {method: row}, "niah": [cell, ...]} of one model."""
+    root = Path(folder) / model
+    if not root.is_dir():
+        raise FileNotFoundError(f"no results for {model!r} in {folder}")
+    out = {"lm": {}, "layers": {}, "niah": []}
+    for task in ("lm", "layers"):
+        for f in sorted((root / task).glob("*.json")):
+            row = json.loads(f.read_text())
+            out[task][row["method"]] = row
+    out["niah"] = [json.loads(f.read_text()) for f in sorted((root / "niah").glob("*.json"))]
+    return out
+
+
+def niah_accuracy(cells: list[dict]) -> dict:
+    """{method: {context: mean score}} over variants, depths and seeds."""
+    acc: dict = {}
+    for cell in cells:
+        for method, r in cell["results"].items():
+            acc.setdefault(method, {}).setdefault(cell["context"], []).append(r["score"])
+    return {m: {c: float(np.mean(v)) for c, v in sorted(by.items())} for m, by in acc.items()}
+
+
+def summary_table(res: dict) -> list[dict]:
+    """One row per method: stored bits, perplexity, KL, top-1, NIAH accuracy per context."""
+    acc = niah_accuracy(res["niah"])
+    rows = []
+    for method in sorted(set(res["lm"]) | set(acc)):
+        lm = res["lm"].get(method, {})
+        layers = res["layers"].get(method, {})
+        rows.append({"method": method, "bits_per_element": layers.get("bits_per_element"),
+                     "ppl": lm.get("ppl"), "ppl_fp32": lm.get("ppl_fp32"), "kl": lm.get("kl"),
+                     "top1_agreement": lm.get("top1_agreement"), "niah": acc.get(method, {})})
+    return rows
+
+
+def plot_results(folder, model: str, prefix) -> list[Path]:
+    """Write ``PREFIX_accuracy_vs_bits.png`` and ``PREFIX_niah_vs_context.png``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res = load_results(folder, model)
+    rows = [r for r in summary_table(res) if r["method"] != "fp32"]
+    prefix = Path(prefix)
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    paths = []
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    for ax, key, label in ((axes[0], "ppl", "perplexity"), (axes[1], "kl", "KL(fp32 || quantized) per token"),
+                           (axes[2], "top1_agreement", "top-1 agreement with fp32")):
+        for r in rows:
+            if r["bits_per_element"] is None or r[key] is None:
+                continue
+            ax.scatter(r["bits_per_element"], r[key], s=25)
+            ax.annotate(r["method"], (r["bits_per_element"], r[key]), fontsize=7, xytext=(3, 3),
+                        textcoords="offset points")
+        if key == "ppl" and "fp32" in res["lm"]:
+            ax.axhline(res["lm"]["fp32"]["ppl"], color="black", lw=1, ls="--", label="fp32")
+            ax.legend(fontsize=8)
+        if key in ("ppl", "kl"):
+            ax.set_yscale("log")
+        ax.set_xlabel("stored bits per element (incl. 16-bit band)")
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+    fig.suptitle(f"{model}: quality vs stored bits")
+    fig.tight_layout()
+    path = Path(f"{prefix}_accuracy_vs_bits.png")
+    fig.savefig(path, dpi=110, metadata={"Software": None})
+    plt.close(fig)
+    paths.append(path)
+    acc = niah_accuracy(res["niah"])
+    if acc:
+        fig, ax = plt.subplots(figsize=(9, 5))
+        for method, by in sorted(acc.items()):
+            ax.plot(list(by), list(by.values()), marker="o", lw=2.5 if method in ("fp32", "nova") else 1.2,
+                    label=method)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel("needle accuracy")
+        ax.set_ylim(-0.05, 1.05)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7, ncol=2, loc="lower left")
+        ax.set_title(f"{model}: needle-in-a-haystack accuracy vs context")
+        fig.tight_layout()
+        path = Path(f"{prefix}_niah_vs_context.png")
+        fig.savefig(path, dpi=110, metadata={"Software": None})
+        plt.close(fig)
+        paths.append(path)
+    return paths
