@@ -80,8 +80,8 @@ class NovaKV(Quantizer):
 
     Notes
     -----
-    Idempotent: a decoded token's coefficients are ``gamma16 * centroid`` per group, whose RMS is
-    generally not ``gamma16``, so re-encoding rescales the shape and can move an index. Not claimed.
+    Not idempotent: a decoded token's coefficients are ``gamma16 * centroid`` per group, whose RMS
+    is generally not ``gamma16``, so re-encoding rescales the shape and can move an index.
     """
 
     head: NovaHead

@@ -48,6 +48,7 @@ import numpy as np
 from codebooks import SphereMarginal
 
 from .common import Encoded, RotatedQuantizer, as_array, codebook, to_fp
+from .turboquant import quantize_rotated
 from .packing import pack_codes, unpack_codes
 from .rotations import STREAM_MISC, HadamardRotation, rng
 
@@ -236,12 +237,9 @@ class TurboBlock(RotatedQuantizer):
     def encode(self, x) -> Encoded:
         """Encode ``x`` of shape (..., block) into blocks uint8 (..., bytes_per_block)."""
         x = as_array("x", x, dim=self.block)
-        flat = x.reshape(-1, self.block)
-        norms = np.linalg.norm(flat, axis=1)
-        unit = np.divide(flat, norms[:, None], out=np.zeros_like(flat), where=norms[:, None] > 0)
-        idx = np.searchsorted(self.table.thresholds, self.rot.apply(unit), side="left").astype(np.uint8)
-        scale = to_fp("norms", norms / np.linalg.norm(self.table.levels[idx], axis=1), np.dtype(np.float16))
-        blocks = self.pack(idx, scale)
+        # TurboQuant's rule with norm correction (shared with TurboQuantMSE: same norm, same order)
+        idx, scale = quantize_rotated(np.ascontiguousarray(x.reshape(-1, self.block)), self.rot, self.table, True)
+        blocks = self.pack(idx, to_fp("norms", scale, np.dtype(np.float16)))
         return self._make(x.shape, {"blocks": blocks.reshape(x.shape[:-1] + (self.bytes_per_block,))})
 
     def _parts(self, enc: Encoded):

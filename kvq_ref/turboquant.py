@@ -32,7 +32,26 @@ from .packing import pack_codes, packed_size, unpack_codes
 from .rotations import make_rotation
 from .sketch import QJLSketch
 
-__all__ = ["TurboQuantMSE", "TurboQuantProd", "TurboQuantSplit"]
+__all__ = ["TurboQuantMSE", "TurboQuantProd", "TurboQuantSplit", "quantize_rotated"]
+
+
+def quantize_rotated(flat: np.ndarray, rot, table, norm_correction: bool) -> tuple[np.ndarray, np.ndarray]:
+    """The TurboQuant quantization rule for rows of ``flat`` (N, d), float64.
+
+    ``||x||`` is ``row_norm`` (sequential float64 sum of squares), ``y = R (x * (1/||x||))`` (0 for a
+    zero row), ``idx = #{thresholds < y_j}``, and the scale is ``||x||`` or, with norm correction,
+    ``||x|| / ||c[idx]||`` (again ``row_norm``). Shared by TurboQuantMSE and the turbo block formats.
+
+    Returns
+    -------
+    codes : ndarray, uint8, shape (N, d)
+    scale : ndarray, float64, shape (N,)
+    """
+    norms = row_norms(flat)
+    inv = np.divide(1.0, norms, out=np.zeros_like(norms), where=norms > 0)
+    codes = np.searchsorted(table.thresholds, rot.apply(flat * inv[:, None]), side="left").astype(np.uint8)
+    scale = norms / row_norms(table.levels[codes]) if norm_correction else norms
+    return codes, scale
 
 
 def _check_common(dim, bits, lo_bits, hi_bits, rotation, seed, norm_dtype):
@@ -103,14 +122,8 @@ class TurboQuantMSE(RotatedQuantizer):
     def encode(self, x) -> Encoded:
         """Encode ``x`` of shape (..., dim)."""
         x = as_array("x", x, dim=self.dim)
-        flat = np.ascontiguousarray(x.reshape(-1, self.dim))
-        norms = row_norms(flat)
-        inv = np.divide(1.0, norms, out=np.zeros_like(norms), where=norms > 0)
-        unit = flat * inv[:, None]
-        codes = np.searchsorted(self.table.thresholds, self.rot.apply(unit), side="left").astype(np.uint8)
-        scale = norms
-        if self.norm_correction:
-            scale = norms / row_norms(self.table.levels[codes])
+        codes, scale = quantize_rotated(np.ascontiguousarray(x.reshape(-1, self.dim)), self.rot, self.table,
+                                        self.norm_correction)
         lead = x.shape[:-1]
         return self._make(x.shape, {
             "codes": pack_codes(codes, self.bits).reshape(lead + (-1,)),
