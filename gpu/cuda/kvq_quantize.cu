@@ -1,0 +1,213 @@
+// TurboQuantMSE quantize-and-pack, and the turbo2/turbo3/turbo4 block formats, in CUDA C++.
+//
+// One thread block per vector. The kernels reproduce kvq_ref bit for bit (kvq_ref/turboquant.py,
+// kvq_ref/turbo_block.py); what has to match, step by step:
+//
+//   1. Input: float16 or float32 values are widened to double (exact). Everything up to the
+//      codes is computed in double with explicitly rounded operations (__dadd_rn, __dmul_rn,
+//      __ddiv_rn, __dsqrt_rn), which nvcc never contracts into FMAs, so every step rounds exactly
+//      as numpy/numba do on the host.
+//   2. Norm ||x||: squares of the inputs (exact in double for float16 and float32 inputs), summed
+//      sequentially j = 0, 1, ..., d-1 by one thread (kvq_ref.common.row_norm, the rule of
+//      kvq_ref.turboquant.quantize_rotated shared by TurboQuantMSE and the turbo blocks), then
+//      sqrt. The same sequential sum of the squared levels gives the norm-corrected scale.
+//   3. Unit vector: x * (1/||x||), the reciprocal rounded once and then multiplied (not a
+//      division). A zero vector gives a zero unit vector (and codes of y = 0, scale 0).
+//   4. Rotation y = D2 . H_b . P . D1 . u (kvq_ref.rotations.HadamardRotation): w[j] = u[perm[j]]
+//      * signs1[perm[j]]; butterflies (a, b) -> (a + b, a - b) for h = 1, 2, 4, ... < b within
+//      each block of b = hblock coordinates (Sylvester order, stage by stage); then
+//      y = (w * (1 / sqrt(b))) * signs2. Sign flips are exact; 1/sqrt(b) is the correctly rounded
+//      double, as math.sqrt gives. The turbo blocks' rotation has no permutation (perm = NULL).
+//   5. Code of y_j = number of thresholds strictly below y_j (np.searchsorted(..., side="left"):
+//      a coordinate exactly on a threshold takes the lower cell). Thresholds are the float64
+//      table (gpu.tables.DeviceTable.thresholds), passed as a device array: the float32 values of
+//      codebooks/data/default/kvq_tables.h are not enough for bit-exact codes. Zeros: -0.0 and
+//      +0.0 compare equal (IEEE), as in numpy; no sign() is taken anywhere.
+//   6. Scale: ||x||, or with norm correction ||x|| / ||levels[codes]||, rounded once from double
+//      to float16 (__double2half, round to nearest even, like numpy's astype(float16)). Overflow
+//      gives inf; the binding refuses it after the launch, as kvq_ref.common.to_fp does.
+//   7. Packing: kvq_ref.packing's little-endian bit stream (kvq_common.cuh, kvq_pack_byte).
+//      TurboQuantMSE: codes row of ceil(d * bits / 8) bytes and a separate float16 norm.
+//      turbo blocks (d = 32 or 128): norm fp16 (little-endian) | [turbo4, 128 values: 2 zero
+//      bytes] | qs | [turbo3: signs]; qs = 2-bit stream of (code & 3) (turbo2/3) or 4-bit stream
+//      of the code (turbo4), signs = 1-bit stream of code >> 2.
+//
+// Limits: 2 <= d <= 256 (hblock = d & -d), 1 <= bits <= 4 (the binding takes 2/3/4-bit tables
+// and 1-bit ones), turbo blocks d in {32, 128}.
+
+#include "kvq_common.cuh"
+
+// Threads per block; thread t handles coordinates t, t + 128 (d <= 256).
+#define KVQ_QUANT_THREADS 128
+
+// Input dtypes (in_dtype argument).
+#define KVQ_IN_F16 0
+#define KVQ_IN_F32 1
+
+// Per-block working set (about 4.5 KB of shared memory).
+struct QuantShared {
+  double a[KVQ_MAX_DIM];              // input row, then squared levels (norm correction)
+  double w[KVQ_MAX_DIM];              // squared inputs, then the vector being rotated
+  double thr[KVQ_MAX_LEVELS - 1];     // float64 thresholds
+  double lev[KVQ_MAX_LEVELS];         // float64 levels (norm correction only)
+  uint8_t codes[KVQ_MAX_DIM];
+  double norm, inv_norm, scale;
+};
+
+__device__ __forceinline__ double kvq_load(const void* x, int in_dtype, size_t i) {
+  return in_dtype == KVQ_IN_F16 ? (double)__half2float(((const __half*)x)[i]) : (double)((const float*)x)[i];
+}
+
+// s = 0; s += a[0]; s += a[1]; ... (kvq_ref.common.row_norm's loop).
+__device__ double kvq_sum_sequential(const double* a, int n) {
+  double s = 0.0;
+  for (int i = 0; i < n; ++i) s = __dadd_rn(s, a[i]);
+  return s;
+}
+
+// Steps 1-6 for vector blockIdx.x: leaves sm.codes[0..d) and sm.scale (double) in shared memory.
+__device__ void kvq_rotate_and_code(QuantShared& sm, const void* x, int in_dtype, int d, int bits,
+                                    const double* thresholds, const double* levels, const float* signs1,
+                                    const float* signs2, const int* perm, int hblock, int norm_correction) {
+  const int tid = threadIdx.x;
+  const int nt = blockDim.x;
+  const int n_thr = (1 << bits) - 1;
+  const size_t row = (size_t)blockIdx.x * (size_t)d;
+
+  // 1. tables and the input row (as double) into shared memory, squares of the inputs.
+  for (int i = tid; i < n_thr; i += nt) sm.thr[i] = thresholds[i];
+  for (int i = tid; i <= n_thr; i += nt) sm.lev[i] = levels[i];
+  for (int j = tid; j < d; j += nt) {
+    const double v = kvq_load(x, in_dtype, row + j);
+    sm.a[j] = v;
+    sm.w[j] = __dmul_rn(v, v);
+  }
+  __syncthreads();
+
+  // 2. the norm, by one thread in the reference's summation order.
+  if (tid == 0) {
+    const double norm = __dsqrt_rn(kvq_sum_sequential(sm.w, d));
+    sm.norm = norm;
+    sm.inv_norm = norm > 0.0 ? __ddiv_rn(1.0, norm) : 0.0;
+  }
+  __syncthreads();
+
+  // 3-4a. unit vector, D1, then the permutation P: w[j] = u[perm[j]] * signs1[perm[j]].
+  const double norm = sm.norm;
+  for (int j = tid; j < d; j += nt) {
+    const int src = perm ? perm[j] : j;
+    sm.w[j] = __dmul_rn(sm.a[src], sm.inv_norm) * (double)signs1[src];  // exact: signs are +-1
+  }
+
+  // 4b. butterflies, stage by stage; pair p of a stage is (i, i + h) with i = (p / h) * 2h + p % h,
+  // which stays inside its block of hblock coordinates because 2h <= hblock divides d.
+  for (int h = 1; h < hblock; h <<= 1) {
+    __syncthreads();
+    for (int p = tid; p < d / 2; p += nt) {
+      const int i = (p / h) * 2 * h + (p % h);
+      const double lo = sm.w[i], hi = sm.w[i + h];
+      sm.w[i] = __dadd_rn(lo, hi);
+      sm.w[i + h] = __dsub_rn(lo, hi);
+    }
+  }
+  __syncthreads();
+
+  // 4c-5. scale, D2, code = #{thresholds < y}.
+  const double c = __ddiv_rn(1.0, __dsqrt_rn((double)hblock));
+  for (int j = tid; j < d; j += nt) {
+    const double y = __dmul_rn(sm.w[j], c) * (double)signs2[j];
+    int code = 0;
+    for (int k = 0; k < n_thr; ++k) code += sm.thr[k] < y ? 1 : 0;
+    sm.codes[j] = (uint8_t)code;
+    if (norm_correction) sm.a[j] = __dmul_rn(sm.lev[code], sm.lev[code]);
+  }
+  __syncthreads();
+
+  // 6. the stored scale.
+  if (tid == 0) {
+    sm.scale = norm_correction ? __ddiv_rn(norm, __dsqrt_rn(kvq_sum_sequential(sm.a, d))) : norm;
+  }
+  __syncthreads();
+}
+
+// TurboQuantMSE: codes (n_vec, ceil(d * bits / 8)) uint8, norms (n_vec,) float16.
+extern "C" __global__ void kvq_quantize_mse_kernel(const void* x, int in_dtype, int d, int bits,
+                                                   const double* thresholds, const double* levels,
+                                                   const float* signs1, const float* signs2, const int* perm,
+                                                   int hblock, int norm_correction, uint8_t* codes, __half* norms) {
+  __shared__ QuantShared sm;
+  kvq_rotate_and_code(sm, x, in_dtype, d, bits, thresholds, levels, signs1, signs2, perm, hblock,
+                      norm_correction);
+  const int row_bytes = kvq_packed_size(d, bits);
+  uint8_t* out = codes + (size_t)blockIdx.x * (size_t)row_bytes;
+  for (int p = threadIdx.x; p < row_bytes; p += blockDim.x) out[p] = kvq_pack_byte(sm.codes, d, bits, 0, p);
+  if (threadIdx.x == 0) norms[blockIdx.x] = __double2half(sm.scale);
+}
+
+// Bytes per turbo block: turbo2 2 + d/4, turbo3 2 + d/4 + d/8, turbo4 (2 + 2 unused at d = 128) + d/2.
+__host__ __device__ __forceinline__ int kvq_turbo_qs_offset(int d, int bits) { return bits == 4 && d == 128 ? 4 : 2; }
+__host__ __device__ __forceinline__ int kvq_turbo_block_bytes(int d, int bits) {
+  return bits == 4 ? kvq_turbo_qs_offset(d, bits) + d / 2 : 2 + d / 4 + (bits == 3 ? d / 8 : 0);
+}
+
+// turbo2/3/4 blocks (bits 2/3/4): (n_vec, kvq_turbo_block_bytes) uint8, kvq_ref/turbo_block.py layout.
+extern "C" __global__ void kvq_quantize_turbo_kernel(const void* x, int in_dtype, int d, int bits,
+                                                     const double* thresholds, const double* levels,
+                                                     const float* signs1, const float* signs2, uint8_t* blocks) {
+  __shared__ QuantShared sm;
+  kvq_rotate_and_code(sm, x, in_dtype, d, bits, thresholds, levels, signs1, signs2, /*perm=*/nullptr, /*hblock=*/d,
+                      /*norm_correction=*/1);
+  const int q = kvq_turbo_qs_offset(d, bits);
+  const int qs_bytes = bits == 4 ? d / 2 : d / 4;
+  uint8_t* out = blocks + (size_t)blockIdx.x * (size_t)kvq_turbo_block_bytes(d, bits);
+  const int tid = threadIdx.x;
+  if (tid == 0) {
+    const unsigned short h = __half_as_ushort(__double2half(sm.scale));  // gamma, little-endian
+    out[0] = (uint8_t)(h & 0xFF);
+    out[1] = (uint8_t)(h >> 8);
+    if (q == 4) out[2] = out[3] = 0;  // turbo4's unused fp16 field
+  }
+  for (int p = tid; p < qs_bytes; p += blockDim.x)
+    out[q + p] = bits == 4 ? kvq_pack_byte(sm.codes, d, 4, 0, p) : kvq_pack_byte(sm.codes, d, 2, 0, p);
+  if (bits == 3)
+    for (int p = tid; p < d / 8; p += blockDim.x) out[q + qs_bytes + p] = kvq_pack_byte(sm.codes, d, 1, 2, p);
+}
+
+static int kvq_quant_args_ok(long long n_vec, int in_dtype, int d, int bits) {
+  return n_vec >= 0 && n_vec <= 0x7FFFFFFFLL && (in_dtype == KVQ_IN_F16 || in_dtype == KVQ_IN_F32) && d >= 2 &&
+         d <= KVQ_MAX_DIM && bits >= 1 && bits <= KVQ_MAX_BITS;
+}
+
+// Launch functions: raw device pointers; `stream` is a cudaStream_t (NULL: the default stream).
+// Returns KVQ_OK, KVQ_EINVAL (refused, nothing launched) or the launch's cudaError_t.
+extern "C" int kvq_quantize_mse(const void* x, int in_dtype, long long n_vec, int d, int bits, const double* thresholds,
+                                const double* levels, const float* signs1, const float* signs2, const int* perm,
+                                int hblock, int norm_correction, uint8_t* codes, void* norms, void* stream) {
+  if (!kvq_quant_args_ok(n_vec, in_dtype, d, bits) || hblock < 1 || (hblock & (hblock - 1)) || d % hblock)
+    return KVQ_EINVAL;
+  if (n_vec == 0) return KVQ_OK;
+  KVQ_LAUNCH(kvq_quantize_mse_kernel, (unsigned)n_vec, KVQ_QUANT_THREADS, (cudaStream_t)stream)
+  (x, in_dtype, d, bits, thresholds, levels, signs1, signs2, perm, hblock, norm_correction, codes, (__half*)norms);
+  return (int)cudaGetLastError();
+}
+
+extern "C" int kvq_quantize_turbo(const void* x, int in_dtype, long long n_vec, int d, int bits,
+                                  const double* thresholds, const double* levels, const float* signs1,
+                                  const float* signs2, uint8_t* blocks, void* stream) {
+  if (!kvq_quant_args_ok(n_vec, in_dtype, d, bits) || (d != 32 && d != 128) || bits < 2) return KVQ_EINVAL;
+  if (n_vec == 0) return KVQ_OK;
+  KVQ_LAUNCH(kvq_quantize_turbo_kernel, (unsigned)n_vec, KVQ_QUANT_THREADS, (cudaStream_t)stream)
+  (x, in_dtype, d, bits, thresholds, levels, signs1, signs2, blocks);
+  return (int)cudaGetLastError();
+}
+
+extern "C" int kvq_turbo_block_bytes_of(int d, int bits) { return kvq_turbo_block_bytes(d, bits); }
+
+// Makes `device` current for this library's CUDA runtime (it may be a different runtime instance
+// from torch's, with its own current device).
+extern "C" int kvq_cuda_set_device(int device) { return (int)cudaSetDevice(device); }
+
+extern "C" const char* kvq_cuda_error_string(int code) {
+  if (code == KVQ_EINVAL) return "invalid arguments (refused before launch)";
+  return cudaGetErrorString((cudaError_t)code);
+}

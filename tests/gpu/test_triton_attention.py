@@ -1,0 +1,351 @@
+"""Triton decode attention over a TurboQuantMSE cache, and NOVA-KV decode scores, against kvq_ref.
+
+Runs on CPU tensors under ``TRITON_INTERPRET=1`` (set here and in conftest, before any kernel is
+created); with ``TRITON_INTERPRET=0`` on a CUDA machine the same tests run on the GPU.
+
+Both kernels compute in float32 and kvq_ref in float64, so results are compared with a bound on
+float32 rounding, ``u = 2^-24``, evaluated per case from the data. Sums of n terms use the
+probabilistic bound of Higham and Mary (SIAM J. Sci. Comput. 41, 2019): if rounding errors are
+independent with mean zero, the error of a recursive or blocked sum of n products is at most about
+``lam * sqrt(n) * u * sum|terms|`` except with probability ``2n exp(-lam^2 / 2)``; with ``lam = 6``
+that is 3e-8 n per sum (the worst-case bound, ``n u`` instead of ``sqrt(n) u``, is 10x looser still).
+
+Decode attention (``mse_tolerance``)
+------------------------------------
+Logit ``z_t = scale * <q', k'_t>`` where the kernel multiplies the rotated query by ``levels * norm``
+for encoded tokens and the plain query by the float16 key for band tokens:
+``|dz_t| <= lam u [sqrt(d + 4) scale sum_j |q'_j k'_tj| + sqrt(log2 b + 2) scale ||q|| ||k_t||]
++ 4u + lam u sqrt(n + 8)``: the dot product with the level, norm and scale roundings, the query
+rotation (log2 b butterfly stages, each sqrt(2) times an orthogonal map, so its error is normwise,
+encoded tokens only), the float32 exp (<= 2 ulp, doubled) and the running max/sum rescalings.
+Softmax weights then move by at most ``|dw_t| <= w_t (|dz_t| + sum_s w_s |dz_s|)`` (first order),
+and the output by ``sum_t |dw_t| |v_t| + lam u sqrt(n + log2 b + 8) || sum_t w_t |y_t| ||_2``, the
+last term for the blocked accumulation of the values ``y_t`` as the kernel holds them (rotated for
+encoded tokens), the one inverse rotation and the final division. The query is rounded to float32
+before both computations, so its rounding is not an error. Measured errors are about 1e-3 of this
+bound (it sums magnitudes and logits here reach 20-70), i.e. a few 1e-7 on outputs of order 1; the
+bound is still 10x below what one wrong 3-bit code does (``test_mse_tolerance_rejects_one_wrong_code``).
+
+NOVA-KV scores (``nova_tolerance``)
+-----------------------------------
+``s_t = gain_t sum_j T_j[code_tj] + q . mu`` with ``q_m = q @ inverse.T`` (d products; the float64
+inverse is rounded to float32, one more u), ``T_j[i] = q_m[G_j] . c_ji`` (g products), the sum over
+G groups, the gain product and the offset ``q . mu`` (d products, mu rounded): ``|ds_t| <=
+lam u sqrt(d + g + G + 4) gain_t sum_j sum_i (|q| @ |inverse|^T)[G_ji] |c_j[code_tj], i| +
+lam u sqrt(d + 3) |q| . |mu| + u |s_t|``. Measured errors are 1e-3 to 1e-2 of it (relative 1e-7 of
+the largest score).
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import math  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import gpu.triton.attention as att  # noqa: E402
+from codebooks.nova import calibrate  # noqa: E402
+from gpu.tables import TableMismatchError, load_device_table  # noqa: E402
+from gpu.triton import nova as tnova  # noqa: E402
+from gpu.triton.attention import Band, decode_attention_mse, inputs_from_cache  # noqa: E402
+from gpu.triton.nova import NovaKeyTables, nova_key_scores  # noqa: E402
+from kvq_ref import QuantizedKV, TurboQuantMSE, attention_decode  # noqa: E402
+from kvq_ref.nova import NovaKV  # noqa: E402
+from kvq_ref.packing import unpack_codes  # noqa: E402
+from tests.nova_data import generator, sequence  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEV = "cpu" if INTERPRET else ("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(),
+                                reason="needs TRITON_INTERPRET=1 or a CUDA GPU")
+U = 2.0**-24
+LAM = 6.0
+
+_TABLES = {}
+
+
+def table(d, bits):
+    if (d, bits) not in _TABLES:
+        _TABLES[d, bits] = load_device_table(d, bits, device=DEV)
+    return _TABLES[d, bits]
+
+
+def to_dev(cache_inputs):
+    *arrays, band = cache_inputs
+    band = band if band is None else Band(band.keys.to(DEV), band.values.to(DEV), band.positions)
+    return [a.to(DEV) for a in arrays] + [band]
+
+
+# --- decode attention over TurboQuantMSE --------------------------------------------------------------
+def make_kv(n, d, g, seed):
+    """Keys with an offset and two outlier channels (as real keys have), values, and a query group
+    rounded to float32 (the kernel's input), as float64 arrays."""
+    rng = np.random.default_rng(seed)
+    K = rng.standard_normal((n, d)) + 0.5
+    K[:, rng.integers(0, d, 2)] *= 4.0
+    V = rng.standard_normal((n, d))
+    q = (2.0 * rng.standard_normal((g, d))).astype(np.float32).astype(np.float64)
+    return q, K, V
+
+
+def make_case(n, d, g, bits, band, seed, norm_dtype="float16", norm_correction=False):
+    """A query group and the QuantizedKV the kernel must reproduce (K and V rotations differ)."""
+    q, K, V = make_kv(n, d, g, seed)
+    kq = TurboQuantMSE(d, bits[0], seed=seed % 5, norm_dtype=norm_dtype, norm_correction=norm_correction)
+    vq = TurboQuantMSE(d, bits[1], seed=seed % 5 + 7, norm_dtype=norm_dtype, norm_correction=norm_correction)
+    return q, QuantizedKV.build(K, V, kq, vq, sink=band[0], window=band[1]), kq, vq
+
+
+def stacked(caches, lead, device):
+    """Kernel inputs of several heads' caches stacked on leading axes ``lead``."""
+    inputs = [inputs_from_cache(c) for c in caches]
+    arrays = [torch.stack([x[i] for x in inputs]).reshape(lead + tuple(inputs[0][i].shape)).to(device)
+              for i in range(4)]
+    nb = inputs[0][4].keys.shape[0]
+    band = Band(*(torch.stack([getattr(x[4], f) for x in inputs]).reshape(lead + (nb, caches[0].d)).to(device)
+                  for f in ("keys", "values")), inputs[0][4].positions)
+    return arrays, band
+
+
+def mse_tolerance(q, cache, kq, vq, scale, u=U):
+    """Per-query bound on ``max_j |out_j - ref_j|`` (module docstring)."""
+    K, V = cache.dequantized()
+    n, d = K.shape
+    log_b = (d & -d).bit_length() - 1
+    enc = np.zeros(n, bool)
+    enc[cache.middle] = True
+    k_kernel, y_kernel = K.copy(), V.copy()  # what the kernel multiplies: rotated for encoded tokens
+    if enc.any():
+        k_kernel[enc] = kq.rot.apply(K[enc])
+        y_kernel[enc] = vq.rot.apply(V[enc])
+    q_kernel = np.where(enc[None, :, None], kq.rot.apply(q)[:, None, :], q[:, None, :])
+    dot_abs = scale * np.einsum("mnd,nd->mn", np.abs(q_kernel), np.abs(k_kernel))
+    rot = scale * np.linalg.norm(q, axis=1)[:, None] * np.linalg.norm(K, axis=1)[None, :] * enc
+    dz = LAM * u * (math.sqrt(d + 4) * dot_abs + math.sqrt(log_b + 2) * rot) + 4 * u + LAM * u * math.sqrt(n + 8)
+    z = scale * q @ K.T
+    w = np.exp(z - z.max(axis=1, keepdims=True))
+    w /= w.sum(axis=1, keepdims=True)
+    weights = (w * dz) @ np.abs(V) + (w * dz).sum(axis=1, keepdims=True) * (w @ np.abs(V))
+    accumulate = LAM * u * math.sqrt(n + log_b + 8) * np.linalg.norm(w @ np.abs(y_kernel), axis=1)
+    return weights.max(axis=1) + accumulate
+
+
+def run_mse(q, cache, kq, vq, scale=None, **kw):
+    *arrays, band = to_dev(inputs_from_cache(cache))
+    out = decode_attention_mse(torch.tensor(q, dtype=torch.float32, device=DEV), *arrays, kq, vq,
+                               table(cache.d, kq.bits), table(cache.d, vq.bits), band=band, scale=scale, **kw)
+    return out.cpu().numpy().astype(np.float64)
+
+
+def check_mse(q, cache, kq, vq, scale=None, **kw):
+    ref = attention_decode(q, cache, scale=scale)
+    out = run_mse(q, cache, kq, vq, scale=scale, **kw)
+    assert out.shape == ref.shape
+    tol = mse_tolerance(q, cache, kq, vq, 1.0 / math.sqrt(cache.d) if scale is None else scale)
+    err = np.abs(out - ref).max(axis=1)
+    assert np.all(err <= tol), f"errors {err} exceed float32 bounds {tol}"
+    return err / tol
+
+
+NS, DS = (1, 54, 97, 300), (64, 128, 80, 96)
+BITS = ((2, 2), (3, 3), (4, 4), (2, 4), (4, 3), (3, 2))
+CASES = [(n, d, (1, 3)[i % 2], BITS[i % len(BITS)], ((0, 0), (4, 16))[(i // 2) % 2])
+         for i, (d, n) in enumerate((d, n) for d in DS for n in NS)]
+
+
+@pytest.mark.parametrize("n,d,g,bits,band", CASES)
+def test_mse_decode_matches_kvq_ref(n, d, g, bits, band):
+    q, cache, kq, vq = make_case(n, d, g, bits, band, seed=n + d + g)
+    # small blocks: several online-softmax steps over band and encoded tokens
+    check_mse(q, cache, kq, vq, block_n=32, block_band=8)
+
+
+def test_mse_decode_options():
+    # float32 norms with norm correction, a custom scale, a band that swallows the whole cache,
+    # a band of sink tokens only and one of window tokens only, default (single-block) sizes
+    q, cache, kq, vq = make_case(97, 128, 3, (3, 2), (4, 16), seed=3, norm_dtype="float32", norm_correction=True)
+    check_mse(q, cache, kq, vq, scale=0.3)
+    for band in ((60, 60), (5, 0), (0, 7)):
+        check_mse(*make_case(97, 80, 3, (4, 2), band, seed=sum(band)))
+
+
+def test_mse_decode_batch_and_heads_on_the_grid():
+    b, h, n, d, g = 2, 3, 97, 96, 3
+    kq, vq = TurboQuantMSE(d, 3, seed=1), TurboQuantMSE(d, 4, seed=8)
+    data = [make_kv(n, d, g, seed=100 + i) for i in range(b * h)]
+    caches = [QuantizedKV.build(K, V, kq, vq, sink=4, window=16) for _, K, V in data]
+    q = np.stack([x[0] for x in data])
+    arrays, band = stacked(caches, (b, h), DEV)
+    out = decode_attention_mse(torch.tensor(q, dtype=torch.float32, device=DEV).reshape(b, h, g, d), *arrays,
+                               kq, vq, table(d, 3), table(d, 4), band=band)
+    assert out.shape == (b, h, g, d)
+    out = out.cpu().numpy().reshape(b * h, g, d)
+    for i, c in enumerate(caches):
+        err = np.abs(out[i] - attention_decode(q[i], c)).max(axis=1)
+        assert np.all(err <= mse_tolerance(q[i], c, kq, vq, 1 / math.sqrt(d)))
+
+
+def test_mse_tolerance_rejects_one_wrong_code():
+    """The bound is loose (it sums magnitudes) yet still rejects a single corrupted code."""
+    q, cache, kq, vq = make_case(97, 128, 3, (3, 3), (4, 16), seed=9)
+    z = cache.logits(q) / math.sqrt(128)
+    top = int(np.argmax(z[0, cache.middle]))  # the encoded token query 0 attends to most
+    *arrays, band = to_dev(inputs_from_cache(cache))
+    tol = mse_tolerance(q, cache, kq, vq, 1 / math.sqrt(128))
+    for which in (0, 2):  # a key code, then a value code: coordinate 0 moves by one level
+        bad = [a.clone() for a in arrays]
+        bad[which][top, 0] ^= 1
+        out = decode_attention_mse(torch.tensor(q, dtype=torch.float32, device=DEV), *bad, kq, vq, table(128, 3),
+                                   table(128, 3), band=band).cpu().numpy()
+        assert np.abs(out - attention_decode(q, cache)).max(axis=1)[0] > 10 * tol[0]
+
+
+def test_mse_refuses_mismatches_before_launch(monkeypatch):
+    q, cache, kq, vq = make_case(54, 80, 3, (3, 2), (4, 16), seed=1)
+    *arrays, band = to_dev(inputs_from_cache(cache))
+    qt = torch.tensor(q, dtype=torch.float32, device=DEV)
+    kt, vt = table(80, 3), table(80, 2)
+
+    class NoLaunch:
+        def __getitem__(self, grid):
+            raise AssertionError("kernel launched despite invalid inputs")
+
+    monkeypatch.setattr(att, "_mse_decode_kernel", NoLaunch())
+    bad = [
+        (TableMismatchError, dict(ktable=table(80, 4))),            # table bits != kq.bits
+        (TableMismatchError, dict(vtable=table(96, 2))),            # table of another dimension
+        (TypeError, dict(ktable=kt.levels32)),                      # not a DeviceTable
+        (TypeError, dict(kq=NovaKV)),                               # not a TurboQuantMSE
+        (ValueError, dict(kq=TurboQuantMSE(80, 3, rotation="haar"))),
+        (ValueError, dict(kq=TurboQuantMSE(96, 3))),                # method dimension
+        (ValueError, dict(keys_packed=arrays[0][:, :-1])),          # bytes per row
+        (ValueError, dict(values_packed=arrays[2][:-1])),           # token count differs from keys
+        (TypeError, dict(keys_norms=arrays[1].float())),            # norm dtype != kq.norm_dtype
+        (TypeError, dict(values_packed=arrays[2].to(torch.int8))),
+        (TypeError, dict(q=qt.double())),
+        (ValueError, dict(q=qt[:, :64])),
+        (ValueError, dict(band=Band(band.keys, band.values, band.positions[::-1]))),
+        (ValueError, dict(band=Band(band.keys[:-1], band.values[:-1], band.positions))),
+        (ValueError, dict(band=Band(band.keys, band.values, band.positions[:-1] + (99,)))),
+        (TypeError, dict(band=Band(band.keys.float(), band.values, band.positions))),
+        (TypeError, dict(band=(band.keys, band.values))),
+        (ValueError, dict(block_n=48)),
+        (ValueError, dict(scale=float("nan"))),
+    ]
+    good = dict(q=qt, keys_packed=arrays[0], keys_norms=arrays[1], values_packed=arrays[2], values_norms=arrays[3],
+                kq=kq, vq=vq, ktable=kt, vtable=vt, band=band)
+    for exc, change in bad:
+        with pytest.raises(exc):
+            decode_attention_mse(**{**good, **change})
+    with pytest.raises(AssertionError, match="launched"):
+        decode_attention_mse(**good)
+
+
+# --- NOVA-KV decode scores ---------------------------------------------------------------------------
+@pytest.fixture(scope="module", params=[32, 64])
+def nova(request):
+    d = request.param
+    gen = generator(d, seed=5)
+    _, model = calibrate([sequence(gen, 2, 1, 400, 0)], d, g=4, bits=2, iterations=3, seed=1)
+    head = model.head(0, 0)
+    return gen, head, NovaKV(head, "key"), NovaKeyTables.from_head(head, DEV)
+
+
+def nova_tolerance(q, head, enc, ref, u=U):
+    """Per-score bound on ``|kernel - ref|`` (module docstring), shape (m, N)."""
+    d, g = head.d, head.g
+    n_groups = d // g
+    codes = unpack_codes(enc.arrays["codes"], head.bits * g, n_groups)
+    gains = enc.arrays["gains"].astype(np.float64)
+    qm_abs = np.abs(q) @ np.abs(head.key.inverse).T  # (m, d)
+    cent = np.abs(head.key_centroids.astype(np.float64))  # (G, K, g)
+    per_token = np.zeros((q.shape[0], codes.shape[0]))
+    for j in range(n_groups):
+        per_token += qm_abs[:, head.key_groups[j]] @ cent[j][codes[:, j]].T
+    return (LAM * u * math.sqrt(d + g + n_groups + 4) * gains * per_token
+            + LAM * u * math.sqrt(d + 3) * (np.abs(q) @ np.abs(head.key.mu))[:, None] + u * np.abs(ref))
+
+
+def check_nova(q, nk, tables, keys, **kw):
+    enc = nk.encode(keys)
+    ref = nk.inner_product(q, enc)
+    codes, gains = (torch.from_numpy(enc.arrays[k]).to(DEV) for k in ("codes", "gains"))
+    out = nova_key_scores(torch.tensor(q, dtype=torch.float32, device=DEV), codes, gains, tables, **kw).cpu().numpy()
+    assert out.shape == ref.shape
+    tol = nova_tolerance(q, nk.head, enc, ref)
+    assert np.all(np.abs(out - ref) <= tol), f"max error/bound {np.max(np.abs(out - ref) / tol):.3g}"
+    return out
+
+
+@pytest.mark.parametrize("n,m", [(1, 1), (54, 3), (97, 1), (300, 3)])
+def test_nova_scores_match_kvq_ref(nova, n, m):
+    gen, head, nk, tables = nova
+    q, k, _ = sequence(gen, m, 1, n, 50 + n)[0]
+    q = q[:, -1].astype(np.float32).astype(np.float64)  # the group's decode queries, exact in float32
+    keys = k[0].copy()
+    keys[n // 2] = head.key.mu  # a token whose coefficients vanish: gain 0, score q . mu
+    check_nova(q, nk, tables, keys, block_n=32)  # several token blocks per head
+
+
+def test_nova_batch_heads_and_head_argument(nova):
+    gen, head, nk, tables = nova
+    q, k, _ = sequence(gen, 6, 2, 97, 7)[0]  # two KV heads (sharing the calibrated head), 3 queries each
+    q = q[:, -1].astype(np.float32).astype(np.float64).reshape(2, 3, head.d)
+    encs = [nk.encode(k[h]) for h in range(2)]
+    codes = torch.from_numpy(np.stack([e.arrays["codes"] for e in encs])).to(DEV)
+    gains = torch.from_numpy(np.stack([e.arrays["gains"] for e in encs])).to(DEV)
+    qt = torch.tensor(q, dtype=torch.float32, device=DEV)
+    out = nova_key_scores(qt, codes, gains, tables).cpu().numpy()
+    for h in range(2):
+        ref = nk.inner_product(q[h], encs[h])
+        assert np.all(np.abs(out[h] - ref) <= nova_tolerance(q[h], head, encs[h], ref))
+    np.testing.assert_array_equal(nova_key_scores(qt, codes, gains, head).cpu().numpy(), out)
+
+
+def test_nova_refuses_mismatches(nova):
+    gen, head, nk, tables = nova
+    enc = nk.encode(sequence(gen, 1, 1, 20, 3)[0][1][0])
+    codes, gains = torch.from_numpy(enc.arrays["codes"]).to(DEV), torch.from_numpy(enc.arrays["gains"]).to(DEV)
+    q = torch.zeros((2, head.d), device=DEV)
+    for exc, args in [(ValueError, (q[:, :-4], codes, gains, tables)), (ValueError, (q, codes[:, :-1], gains, tables)),
+                      (ValueError, (q, codes, gains[:-1], tables)), (TypeError, (q, codes, gains.float(), tables)),
+                      (TypeError, (q, codes.to(torch.int16), gains, tables)), (TypeError, (q, codes, gains, nk)),
+                      (TypeError, (q.int(), codes, gains, tables))]:
+        with pytest.raises(exc):
+            nova_key_scores(*args)
+    with pytest.raises(ValueError):
+        nova_key_scores(q, codes, gains, tables, block_n=24)
+
+
+# --- Hopper builds and the GPU -------------------------------------------------------------------------
+def test_hopper_compile_registers_and_spills():
+    """sm_90 builds of every kernel (under the interpreter each in a fresh TRITON_INTERPRET=0 process,
+    ``hopper.in_compile_process``); print registers and spills."""
+    mse_a = att.hopper_builds(d=128, g=4, kbits=3, vbits=2)
+    mse_b = att.hopper_builds(d=80, g=3, kbits=4, vbits=3)
+    nova = tnova.hopper_builds(d=128, m=4)
+    for r in (mse_a, mse_b, *nova):
+        print(r.summary())
+        assert r.n_regs <= 255 and r.spill_stores == 0 and r.spill_loads == 0, r.summary()
+        assert ".target sm_90a" in r.ptx
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_long_cache_many_heads():
+    """On a GPU (TRITON_INTERPRET=0): 2 x 8 KV heads over 4096 tokens, d = 128, default block sizes."""
+    if INTERPRET:
+        pytest.skip("kernels were created for the interpreter (run with TRITON_INTERPRET=0)")
+    b, h, n, d, g = 2, 8, 4096, 128, 4
+    kq, vq = TurboQuantMSE(d, 3, seed=1), TurboQuantMSE(d, 2, seed=2)
+    data = [make_kv(n, d, g, seed=i) for i in range(b * h)]
+    caches = [QuantizedKV.build(K, V, kq, vq, sink=4, window=64) for _, K, V in data]
+    q = np.stack([x[0] for x in data])
+    arrays, band = stacked(caches, (b, h), "cuda")
+    out = decode_attention_mse(torch.tensor(q, dtype=torch.float32, device="cuda").reshape(b, h, g, d), *arrays,
+                               kq, vq, table(d, 3), table(d, 2), band=band).cpu().numpy().reshape(b * h, g, d)
+    for i, c in enumerate(caches):
+        err = np.abs(out[i] - attention_decode(q[i], c)).max(axis=1)
+        assert np.all(err <= mse_tolerance(q[i], c, kq, vq, 1 / math.sqrt(d)))
