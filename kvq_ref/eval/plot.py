@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["load_results", "plot_results", "summary_table"]
+__all__ = ["figures", "load_results", "plot_results", "summary_table"]
 
 
 def load_results(folder, model: str) -> dict:
@@ -46,19 +46,19 @@ def summary_table(res: dict) -> list[dict]:
     return rows
 
 
-def plot_results(folder, model: str, prefix) -> list[Path]:
-    """Write ``PREFIX_accuracy_vs_bits.png`` and ``PREFIX_niah_vs_context.png``."""
-    import matplotlib
+def figures(res: dict, model: str) -> dict:
+    """The evaluation's charts as matplotlib figures, drawn from ``load_results`` output.
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    Returns ``{"accuracy_vs_bits": Figure, "niah_vs_context": Figure}`` (the second only when there
+    are needle results). The figures are built with the object-oriented API, so no pyplot backend is
+    touched: they can be saved anywhere or shown inline in a notebook.
+    """
+    from matplotlib.figure import Figure
 
-    res = load_results(folder, model)
     rows = [r for r in summary_table(res) if r["method"] != "fp32"]
-    prefix = Path(prefix)
-    prefix.parent.mkdir(parents=True, exist_ok=True)
-    paths = []
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    out = {}
+    fig = Figure(figsize=(15, 4.5))
+    axes = fig.subplots(1, 3)
     for ax, key, label in ((axes[0], "ppl", "perplexity"), (axes[1], "kl", "KL(fp32 || quantized) per token"),
                            (axes[2], "top1_agreement", "top-1 agreement with fp32")):
         for r in rows:
@@ -77,13 +77,11 @@ def plot_results(folder, model: str, prefix) -> list[Path]:
         ax.grid(True, alpha=0.3)
     fig.suptitle(f"{model}: quality vs stored bits")
     fig.tight_layout()
-    path = Path(f"{prefix}_accuracy_vs_bits.png")
-    fig.savefig(path, dpi=110, metadata={"Software": None})
-    plt.close(fig)
-    paths.append(path)
+    out["accuracy_vs_bits"] = fig
     acc = niah_accuracy(res["niah"])
     if acc:
-        fig, ax = plt.subplots(figsize=(9, 5))
+        fig = Figure(figsize=(9, 5))
+        ax = fig.subplots()
         for method, by in sorted(acc.items()):
             ax.plot(list(by), list(by.values()), marker="o", lw=2.5 if method in ("fp32", "nova") else 1.2,
                     label=method)
@@ -95,8 +93,17 @@ def plot_results(folder, model: str, prefix) -> list[Path]:
         ax.legend(fontsize=7, ncol=2, loc="lower left")
         ax.set_title(f"{model}: needle-in-a-haystack accuracy vs context")
         fig.tight_layout()
-        path = Path(f"{prefix}_niah_vs_context.png")
+        out["niah_vs_context"] = fig
+    return out
+
+
+def plot_results(folder, model: str, prefix) -> list[Path]:
+    """Write ``PREFIX_accuracy_vs_bits.png`` and ``PREFIX_niah_vs_context.png`` (see ``figures``)."""
+    prefix = Path(prefix)
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, fig in figures(load_results(folder, model), model).items():
+        path = Path(f"{prefix}_{name}.png")
         fig.savefig(path, dpi=110, metadata={"Software": None})
-        plt.close(fig)
         paths.append(path)
     return paths
