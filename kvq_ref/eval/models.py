@@ -55,7 +55,7 @@ def locate_gguf(name: str) -> Path:
     spec = importlib.util.find_spec(info.package)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
-            f"model {name!r} needs the wheel providing '{info.package}' (make eval-deps installs it)")
+            f"model {name!r} needs the wheel providing '{info.package}' (`make venv` installs it)")
     folder = Path(next(iter(spec.submodule_search_locations)))
     path = folder / info.gguf
     if not path.is_file() and name == "gemma3":

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["figures", "load_results", "plot_results", "summary_table"]
+__all__ = ["figures", "load_results", "markdown_table", "plot_results", "summary_table"]
 
 
 def load_results(folder, model: str) -> dict:
@@ -24,13 +24,22 @@ def load_results(folder, model: str) -> dict:
     return out
 
 
-def niah_accuracy(cells: list[dict]) -> dict:
-    """{method: {context: mean score}} over variants, depths and seeds."""
+def _niah_scores(cells: list[dict]) -> dict:
     acc: dict = {}
     for cell in cells:
         for method, r in cell["results"].items():
             acc.setdefault(method, {}).setdefault(cell["context"], []).append(r["score"])
-    return {m: {c: float(np.mean(v)) for c, v in sorted(by.items())} for m, by in acc.items()}
+    return acc
+
+
+def niah_accuracy(cells: list[dict]) -> dict:
+    """{method: {context: mean score}} over variants, depths and seeds."""
+    return {m: {c: float(np.mean(v)) for c, v in sorted(by.items())} for m, by in _niah_scores(cells).items()}
+
+
+def niah_counts(cells: list[dict]) -> dict:
+    """{method: {context: number of needle cells}} (the sample size behind each accuracy)."""
+    return {m: {c: len(v) for c, v in sorted(by.items())} for m, by in _niah_scores(cells).items()}
 
 
 def summary_table(res: dict) -> list[dict]:
@@ -44,6 +53,48 @@ def summary_table(res: dict) -> list[dict]:
                      "ppl": lm.get("ppl"), "ppl_fp32": lm.get("ppl_fp32"), "kl": lm.get("kl"),
                      "top1_agreement": lm.get("top1_agreement"), "niah": acc.get(method, {})})
     return rows
+
+
+def markdown_table(res: dict) -> str:
+    """The summary as a Markdown table (README), fp32 first, then by stored bits.
+
+    Columns: the method's nominal bits per element; the bits it actually stored per element on the
+    ``layers`` task's 1024 tokens (side information and its 16-bit band included, which dominates
+    for NOVA-KV, OSCAR, KIVI and QJL at this length); perplexity and its change against fp32;
+    KL(fp32 || method) per token; top-1 agreement; mean attention-output relative error over
+    layers; needle accuracy per context, with the number of needle cells behind it in the header
+    (``n``, the smallest over methods).
+    """
+    rows = summary_table(res)
+    counts = niah_counts(res["niah"])
+    contexts = sorted({c for r in rows for c in r["niah"]})
+    n_at = {c: min(by.get(c, 0) for by in counts.values()) for c in contexts}
+    from .methods import METHODS
+
+    head = ["method", "nominal bits", "stored bits", "ppl", "Δppl", "KL", "top-1", "attn err"]
+    head += [f"NIAH {c // 1024 if c % 1024 == 0 else c}{'K' if c % 1024 == 0 else ''} (n={n_at[c]})"
+             for c in contexts]
+    fp32 = [r for r in rows if r["method"] == "fp32"]
+    rest = sorted((r for r in rows if r["method"] != "fp32"),
+                  key=lambda r: (r["bits_per_element"] is None, r["bits_per_element"] or 0, r["method"]))
+
+    def fmt(x, spec):
+        return "–" if x is None else format(x, spec)
+
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in fp32 + rest:
+        err = res["layers"].get(r["method"], {}).get("attn_rel_err")
+        dppl = None if not r["ppl"] or not r["ppl_fp32"] else 100 * (r["ppl"] / r["ppl_fp32"] - 1)
+        dppl_text = "–" if r["method"] == "fp32" or dppl is None else f"{dppl:+.1f}%"
+        nominal = METHODS.get(r["method"], {}).get("nominal_bits")
+        cells = [r["method"], "32" if r["method"] == "fp32" else fmt(nominal, "g"),
+                 "32" if r["method"] == "fp32" else fmt(r["bits_per_element"], ".3g"),
+                 fmt(r["ppl"], ".2f"), dppl_text,
+                 fmt(r["kl"], ".4f"), fmt(r["top1_agreement"], ".3f"),
+                 fmt(float(np.mean(err)) if err else None, ".3f")]
+        cells += [fmt(r["niah"].get(c), ".2f") for c in contexts]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def figures(res: dict, model: str) -> dict:

@@ -14,7 +14,7 @@ from kvq_ref import KIVI, QJL, PolarQuant, QuaRot, TurboBlock, TurboQuantMSE, Tu
 from kvq_ref.eval.hooks import concat_encoded
 from kvq_ref.eval.methods import METHODS, Blocked, Identity, make_spec
 from kvq_ref.eval.niah import Sample, score
-from kvq_ref.eval.plot import plot_results, summary_table, load_results
+from kvq_ref.eval.plot import load_results, markdown_table, plot_results, summary_table
 
 
 # ---------------------------------------------------------------------------------------------
@@ -79,6 +79,10 @@ def test_plot_and_summary_from_json(tmp_path):
             {"context": ctx, "results": {"fp32": {"score": 1.0}, "tq_mse4": {"score": 0.5}}}))
     rows = {r["method"]: r for r in summary_table(load_results(tmp_path, "smollm2"))}
     assert rows["tq_mse4"]["niah"] == {1024: 0.5, 2048: 0.5} and rows["tq_mse4"]["bits_per_element"] == 4.25
+    table = markdown_table(load_results(tmp_path, "smollm2")).splitlines()
+    assert table[0].endswith("| NIAH 1K (n=1) | NIAH 2K (n=1) |") and table[2].startswith("| fp32 | 32 | 32 | 20.00 |")
+    # nominal 4, stored 4.25, ppl 21 = +5.0 % over fp32, mean attention error 0.1, needle 0.5 at both contexts
+    assert table[3] == "| tq_mse4 | 4 | 4.25 | 21.00 | +5.0% | 0.0500 | 0.900 | 0.100 | 0.50 | 0.50 |"
     paths = plot_results(tmp_path, "smollm2", tmp_path / "out" / "s")
     assert len(paths) == 2 and all(p.stat().st_size > 10_000 for p in paths)
     with pytest.raises(FileNotFoundError):
