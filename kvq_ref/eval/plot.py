@@ -131,17 +131,29 @@ def figures(res: dict, model: str) -> dict:
     out["accuracy_vs_bits"] = fig
     acc = niah_accuracy(res["niah"])
     if acc:
-        fig = Figure(figsize=(9, 5))
+        # a method x context grid with the accuracy written in each cell: with ~18 methods and
+        # one-seed cells, overlapping lines would hide most of them
+        from .methods import METHODS
+
+        counts = niah_counts(res["niah"])
+        contexts = sorted({c for by in acc.values() for c in by})
+        methods = sorted(acc, key=lambda m: (m != "fp32", METHODS.get(m, {}).get("nominal_bits", 32.0), m))
+        grid = np.array([[acc[m].get(c, np.nan) for c in contexts] for m in methods])
+        fig = Figure(figsize=(2.2 + 1.3 * len(contexts), 1.2 + 0.32 * len(methods)))
         ax = fig.subplots()
-        for method, by in sorted(acc.items()):
-            ax.plot(list(by), list(by.values()), marker="o", lw=2.5 if method in ("fp32", "nova") else 1.2,
-                    label=method)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("context (tokens)")
-        ax.set_ylabel("needle accuracy")
-        ax.set_ylim(-0.05, 1.05)
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7, ncol=2, loc="lower left")
+        im = ax.imshow(np.ma.masked_invalid(grid), cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
+        for i in range(len(methods)):
+            for j in range(len(contexts)):
+                if np.isfinite(grid[i, j]):
+                    ax.text(j, i, f"{grid[i, j]:.2f}", ha="center", va="center", fontsize=8,
+                            color="black" if grid[i, j] > 0.6 else "white")
+        n_at = [min(by.get(c, 0) for by in counts.values()) for c in contexts]
+        ax.set_xticks(range(len(contexts)), [f"{c}\n(n={n})" for c, n in zip(contexts, n_at)])
+        ax.set_yticks(range(len(methods)),
+                      [m if m == "fp32" else f"{m} ({METHODS.get(m, {}).get('nominal_bits', float('nan')):g} b)"
+                       for m in methods])
+        ax.set_xlabel("context (tokens); n = needle cells averaged")
+        fig.colorbar(im, ax=ax, label="needle accuracy")
         ax.set_title(f"{model}: needle-in-a-haystack accuracy vs context")
         fig.tight_layout()
         out["niah_vs_context"] = fig
