@@ -55,6 +55,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_codebooks.py
 	$(PY) benchmarks/bench_kvq_ref.py
 	$(PY) benchmarks/bench_nova.py
+	$(PY) benchmarks/nova_position.py
 
 # Numba's on-disk cache is keyed on each function's own file only: after editing a shared @njit
 # helper (packing, rotations, row norms), drop the caches of the functions that inline it.
