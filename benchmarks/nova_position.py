@@ -3,7 +3,7 @@
 Run from the repository root (needs the evaluation extra and the SmolLM2 wheel; about 20 s with
 the calibration cached)::
 
-    python benchmarks/nova_position.py [--tokens 4096] [--out benchmarks/results/nova_position.json]
+    python benchmarks/nova_position.py [--tokens 4096] [--calib-tokens 1024] [--out PATH]
 
 Why
 ---
@@ -58,6 +58,8 @@ def key_logit_error_by_position(q, k, v, quantizer_k, quantizer_v, bins) -> list
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--calib-tokens", type=int, default=1024,
+                   help="calibration sequence length (the evaluation's default is 1024)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/nova_position.json"))
     args = p.parse_args(argv)
     if args.tokens < 2 * BIN or args.tokens % BIN:
@@ -70,12 +72,12 @@ def main(argv=None) -> dict:
 
     t0 = time.perf_counter()
     torch.set_grad_enabled(False)
-    ev = Evaluator("smollm2")  # calibration as in the evaluation: 2 x 1024 tokens of its own text part
+    ev = Evaluator("smollm2", calib_tokens=args.calib_tokens)  # 2 sequences of the calibration text part
     ids = token_chunks(ev.tok, part("haystack"), args.tokens, 1)[0]
     cap = capture(ev.model, ids)
     bins = [(a, a + BIN) for a in range(0, args.tokens, BIN)]
     result = {"model": "smollm2", "tokens": args.tokens, "layers": list(LAYERS), "queries": QUERIES,
-              "bins": bins, "calibration_tokens_per_sequence": 1024, "relative_key_logit_mse": {}}
+              "bins": bins, "calibration_tokens_per_sequence": args.calib_tokens, "relative_key_logit_mse": {}}
     for name in METHODS:
         spec = ev.spec(name)
         rows = []

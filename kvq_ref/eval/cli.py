@@ -42,7 +42,7 @@ def _cmd_run(args) -> int:
                        variants=[v.strip() for v in args.variants.split(",")],
                        depths=parse_float_list(args.depths, "--depths"),
                        seeds=parse_int_list(args.seeds, "--seeds"),
-                       lm_tokens=args.lm_tokens, lm_chunks=args.lm_chunks)
+                       lm_tokens=args.lm_tokens, lm_chunks=args.lm_chunks, calib_tokens=args.calib_tokens)
     wall = time.perf_counter() - t0
     log = Path(args.out) / args.model / "runs.jsonl"
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -93,6 +93,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--seeds", default="0")
     r.add_argument("--lm-tokens", type=int, default=1024, help="tokens per perplexity window")
     r.add_argument("--lm-chunks", type=int, default=2, help="perplexity windows")
+    r.add_argument("--calib-tokens", type=int, default=1024,
+                   help="length of each of the 2 calibration sequences (NOVA-KV, OSCAR, fractional TurboQuant)")
     r.add_argument("--out", default="results/eval")
     r.set_defaults(func=_cmd_run)
     q = sub.add_parser("plot", help="accuracy-vs-bits and NIAH-vs-context charts from the JSON")

@@ -44,6 +44,12 @@ def _write(path: Path, obj: dict) -> None:
     tmp.replace(path)
 
 
+def _check_calib_tokens(calib_tokens) -> None:
+    if isinstance(calib_tokens, bool) or not isinstance(calib_tokens, int) or not 256 <= calib_tokens <= 8192:
+        raise ValueError(f"calib_tokens must be an integer in 256..8192 (two calibration sequences), "
+                         f"got {calib_tokens!r}")
+
+
 class Evaluator:
     """A loaded model with its calibration, running the tasks for any method.
 
@@ -52,17 +58,24 @@ class Evaluator:
     model_name : {"smollm2", "gemma3"}
     calibrate : bool
         Build the NOVA-KV/OSCAR tables (cached) for the calibrated methods.
+    calib_tokens : int
+        Length of each of the two calibration sequences. Post-RoPE key statistics depend on
+        position, so a calibration shorter than the evaluated context leaves later keys outside
+        the fitted distribution (``benchmarks/nova_position.py`` measures the effect).
     """
 
-    def __init__(self, model_name: str = "smollm2", calibrate: bool = True):
+    def __init__(self, model_name: str = "smollm2", calibrate: bool = True, calib_tokens: int = 1024):
         import torch
 
+        _check_calib_tokens(calib_tokens)
         torch.set_grad_enabled(False)
         self.name = model_name
+        self.calib_tokens = calib_tokens
         self.model, self.tok, self.info = load_model(model_name)
         register()
         self.model.set_attn_implementation("kvq")
-        self.tables = calibration_tables(self.model, self.tok, model_name) if calibrate else None
+        self.tables = (calibration_tables(self.model, self.tok, model_name, length=calib_tokens)
+                       if calibrate else None)
 
     def spec(self, method: str):
         return make_spec(method, self.tables if METHODS[method].get("calibrated") else None)
@@ -169,7 +182,7 @@ class Evaluator:
 
 def run_grid(model: str, methods, out, contexts=(1024,), tasks=("lm", "layers", "niah"), variants=VARIANTS,
              depths=(0.25, 0.5, 0.75), seeds=(0,), lm_tokens: int = 1024, lm_chunks: int = 2,
-             progress: bool | None = None) -> dict:
+             calib_tokens: int = 1024, progress: bool | None = None) -> dict:
     """Run every missing cell of the grid and return a summary of what was run.
 
     Parameters
@@ -179,6 +192,9 @@ def run_grid(model: str, methods, out, contexts=(1024,), tasks=("lm", "layers", 
         Method names (``methods.METHODS``); "fp32" is always evaluated as the baseline.
     out : path
         Results folder; cells already present are skipped (resumable).
+    calib_tokens : int
+        Calibration sequence length (``Evaluator``); recorded in every cell. Keep one value per
+        results folder: finished cells are not recomputed when it changes.
     """
     import sys
 
@@ -188,6 +204,7 @@ def run_grid(model: str, methods, out, contexts=(1024,), tasks=("lm", "layers", 
     for m in methods:
         if m != "fp32" and m not in METHODS:
             raise ValueError(f"unknown method {m!r}; known: fp32, {', '.join(sorted(METHODS))}")
+    _check_calib_tokens(calib_tokens)
     unknown = set(tasks) - {"lm", "layers", "niah"}
     if unknown:
         raise ValueError(f"unknown task(s) {sorted(unknown)}; known: lm, layers, niah")
@@ -204,7 +221,8 @@ def run_grid(model: str, methods, out, contexts=(1024,), tasks=("lm", "layers", 
     summary = {"cells": len(cells), "done_before": len(cells) - len(todo), "ran": 0}
     if not todo:
         return summary
-    ev = Evaluator(model, calibrate=any(METHODS.get(m, {}).get("calibrated") for m in methods))
+    ev = Evaluator(model, calibrate=any(METHODS.get(m, {}).get("calibrated") for m in methods),
+                   calib_tokens=calib_tokens)
     show = sys.stderr.isatty() if progress is None else progress
     for task, arg, path in tqdm(todo, desc=f"kvq-eval {model}", unit="cell", disable=not show, file=sys.stderr):
         t0 = time.perf_counter()
@@ -215,7 +233,8 @@ def run_grid(model: str, methods, out, contexts=(1024,), tasks=("lm", "layers", 
         else:
             c, v, d, s = arg
             res = ev.niah(methods, c, v, d, s)
-        res.update({"model": model, "task": task, "wall_seconds": time.perf_counter() - t0})
+        res.update({"model": model, "task": task, "wall_seconds": time.perf_counter() - t0,
+                    "calib_tokens": calib_tokens})
         _write(path, res)
         summary["ran"] += 1
     return summary

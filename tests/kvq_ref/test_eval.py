@@ -63,6 +63,18 @@ def test_scoring_crafted_answers():
     assert score(m, "1111111 and 3333333") == pytest.approx(2 / 3)
 
 
+@pytest.mark.parametrize("bad", [100, 10_000, 1024.0, True])
+def test_calibration_length_is_validated_before_any_model_load(tmp_path, bad):
+    from kvq_ref.eval.cli import main
+    from kvq_ref.eval.runner import run_grid
+
+    with pytest.raises(ValueError, match="calib_tokens must be an integer in 256..8192"):
+        run_grid("smollm2", ["nova"], tmp_path, calib_tokens=bad)
+    if isinstance(bad, int) and not isinstance(bad, bool):
+        assert main(["run", "--methods", "nova", "--calib-tokens", str(bad), "--out", str(tmp_path)]) == 2
+    assert not any(tmp_path.iterdir())
+
+
 def test_plot_and_summary_from_json(tmp_path):
     root = tmp_path / "smollm2"
     for task, rows in (("lm", [{"method": "fp32", "ppl": 20.0, "ppl_fp32": 20.0, "kl": 0.0, "top1_agreement": 1.0},
@@ -215,6 +227,6 @@ def test_grid_is_resumable(lm, tmp_path):
     files = sorted(p.name for p in (tmp_path / "smollm2").rglob("*.json"))
     assert files == ["ctx256_single_d0.5_s0.json", "fp32.json", "tq_mse4.json"]
     lm_row = json.loads((tmp_path / "smollm2" / "lm" / "tq_mse4.json").read_text())
-    assert lm_row["wall_seconds"] > 0 and lm_row["model"] == "smollm2"
+    assert lm_row["wall_seconds"] > 0 and lm_row["model"] == "smollm2" and lm_row["calib_tokens"] == 1024
     assert run_grid("smollm2", ["tq_mse4"], tmp_path, **kw) == {"cells": 3, "done_before": 3, "ran": 0}
     assert main(["run", "--methods", "nope", "--out", str(tmp_path)]) == 2
