@@ -19,7 +19,7 @@ from pathlib import Path
 
 from codebooks.build import parse_float_list, parse_int_list
 
-from .methods import DEFAULT_METHODS, METHODS
+from .methods import DEFAULT_METHODS, method_info
 
 
 def _methods(text: str) -> list[str]:
@@ -27,8 +27,11 @@ def _methods(text: str) -> list[str]:
         return list(DEFAULT_METHODS)
     names = [m.strip() for m in text.split(",") if m.strip()]
     for m in names:
-        if m != "fp32" and m not in METHODS:
-            raise ValueError(f"--methods: unknown method {m!r}; known: fp32, {', '.join(sorted(METHODS))}")
+        if m != "fp32":
+            try:
+                method_info(m)
+            except ValueError as exc:
+                raise ValueError(f"--methods: {exc}") from None
     return names
 
 
@@ -85,7 +88,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="run (or resume) the evaluation grid")
     r.add_argument("--model", default="smollm2", choices=["smollm2", "gemma3"])
-    r.add_argument("--methods", default="default", help="comma list, or 'default' for every method")
+    r.add_argument("--methods", default="default", help="comma list, or 'default' for every method; <method>:keys (or :values) applies a "
+                   "method to the keys only (values only), the other half stored exactly")
     r.add_argument("--ctx", default="1024", help="needle contexts in tokens, e.g. 1024,4096,8192")
     r.add_argument("--tasks", default="lm,layers,niah")
     r.add_argument("--variants", default="single,multikey,multivalue")

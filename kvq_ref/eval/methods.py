@@ -4,6 +4,10 @@ Each ``MethodSpec`` names a key and a value quantizer for every head (seeded per
 so rotations and sketches differ between heads as in a real deployment) and the 16-bit band the
 method keeps: NOVA-KV and OSCAR keep the first 64 and last 256 tokens (REFERENCE.md section 9),
 KIVI and QJL their recent full-precision residual of 128 tokens (sections 7-8), the others none.
+
+A name ``<method>:keys`` (or ``:values``) is the method applied to the keys only (values only), with
+the other half stored exactly (float32) and the method's band kept: it tells which half of the
+cache a failure comes from.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from ..quarot import QuaRot
 from ..turbo_block import TurboBlock
 from ..turboquant import TurboQuantMSE, TurboQuantProd, TurboQuantSplit
 
-__all__ = ["MethodSpec", "Identity", "Blocked", "METHODS", "DEFAULT_METHODS", "make_spec"]
+__all__ = ["MethodSpec", "Identity", "Blocked", "METHODS", "DEFAULT_METHODS", "make_spec", "method_info"]
 
 
 @dataclass(frozen=True)
@@ -197,11 +201,38 @@ DEFAULT_METHODS = ("tq_mse2", "tq_mse3", "tq_mse4", "tq_prod3", "tq_prod4", "tq_
                    "qjl", "polarquant", "kivi2", "kivi4", "quarot2", "quarot4", "turbo3", "turbo4", "oscar", "nova")
 
 
+_HALVES = {"keys": "key", "values": "value"}
+
+
+def method_info(name: str) -> dict:
+    """The registry entry of a method name, ``<method>:keys``/``:values`` included (module docstring).
+
+    Raises ``ValueError`` naming the known methods for anything else. The entry of a half method has
+    no ``nominal_bits`` (half of the cache is stored exactly).
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"method name must be a str, got {type(name).__name__}")
+    base, sep, half = name.partition(":")
+    if base not in METHODS or (sep and half not in _HALVES):
+        raise ValueError(f"unknown method {name!r}; known: {', '.join(sorted(METHODS))}, "
+                         f"each also as <method>:keys or <method>:values")
+    kw = dict(METHODS[base])
+    if half:
+        role, make = _HALVES[half], kw["make"]
+        kw["make"] = _half(make, role)
+        kw.pop("nominal_bits", None)
+    return kw
+
+
+@lru_cache(maxsize=None)
+def _half(make, role):
+    # cached, so that two specs of the same half method compare (and share quantizers) equal
+    return lambda l, h, r, d, t: make(l, h, r, d, t) if r == role else Identity(d)
+
+
 def make_spec(name: str, tables=None) -> MethodSpec:
     """The ``MethodSpec`` of a registered method (``tables`` for calibrated ones)."""
-    if name not in METHODS:
-        raise ValueError(f"unknown method {name!r}; known: {', '.join(sorted(METHODS))}")
-    kw = METHODS[name]
+    kw = method_info(name)
     if kw.get("calibrated") and tables is None:
         raise ValueError(f"method {name!r} needs calibration tables")
     return MethodSpec(name=name, tables=tables, **kw)

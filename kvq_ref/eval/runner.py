@@ -14,7 +14,11 @@ Tasks
     Needle-in-a-haystack accuracy per (context, variant, depth, seed); the document is prefilled once
     in full precision and shared by all methods (``niah`` module docstring).
 
-Results go to ``OUT/<model>/<task>/<cell>.json``; an existing file is a finished cell and is skipped.
+Results go to ``OUT/<model>/<task>/<cell>.json``. A run computes only what is missing: an ``lm`` or
+``layers`` file is one method's finished cell; a needle cell holds one entry per method, and a later
+run with more methods adds the missing entries to it (same sample, one shared prefill). Calibrated
+methods record the calibration length they ran with (``calib_tokens``); an entry made with another
+length is recomputed, so one folder holds one calibration per method.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import json
 import math
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +34,7 @@ import numpy as np
 from ..attention import QuantizedKV, attention_prefill, exact_attention, logit_mse, relative_error
 from .calib import capture, calibration_tables, token_chunks
 from .hooks import QuantizedCache, register, session
-from .methods import METHODS, make_spec
+from .methods import make_spec, method_info
 from .models import load_model
 from .niah import VARIANTS, make_sample, score
 from .text import part
@@ -42,6 +47,13 @@ def _write(path: Path, obj: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(obj, indent=1, sort_keys=True) + "\n")
     tmp.replace(path)
+
+
+def _cache_kw(model, cache) -> dict:
+    """The forward keyword for a KV cache: ``cache`` from transformers 5.x on, ``past_key_values`` before."""
+    import inspect
+
+    return {"cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values": cache}
 
 
 def _check_calib_tokens(calib_tokens) -> None:
@@ -78,7 +90,7 @@ class Evaluator:
                        if calibrate else None)
 
     def spec(self, method: str):
-        return make_spec(method, self.tables if METHODS[method].get("calibrated") else None)
+        return make_spec(method, self.tables if method_info(method).get("calibrated") else None)
 
     # --- lm -------------------------------------------------------------------------------------
     def lm(self, method: str, tokens: int = 1024, chunks: int = 2) -> dict:
@@ -131,13 +143,13 @@ class Evaluator:
 
     # --- niah -----------------------------------------------------------------------------------
     def _greedy(self, cache, first_ids, max_new: int) -> list[int]:
-        out = self.model(first_ids, past_key_values=cache, use_cache=True)
+        out = self.model(first_ids, **_cache_kw(self.model, cache), use_cache=True)
         nxt = int(out.logits[0, -1].argmax())
         gen = [nxt]
         import torch
 
         for _ in range(max_new - 1):
-            out = self.model(torch.tensor([[nxt]]), past_key_values=cache, use_cache=True)
+            out = self.model(torch.tensor([[nxt]]), **_cache_kw(self.model, cache), use_cache=True)
             nxt = int(out.logits[0, -1].argmax())
             gen.append(nxt)
             if nxt == self.tok.eos_token_id:
@@ -159,7 +171,7 @@ class Evaluator:
         doc = self.tok(sample.document, return_tensors="pt").input_ids
         question = self.tok(sample.question, add_special_tokens=False, return_tensors="pt").input_ids
         prefill = DynamicCache()
-        self.model(doc, past_key_values=prefill, use_cache=True)
+        self.model(doc, **_cache_kw(self.model, prefill), use_cache=True)
         results = {}
         for method in methods:
             t0 = time.perf_counter()
@@ -189,12 +201,14 @@ def run_grid(model: str, methods, out, contexts=(1024,), tasks=("lm", "layers", 
     ----------
     model : str
     methods : sequence of str
-        Method names (``methods.METHODS``); "fp32" is always evaluated as the baseline.
+        Method names (``methods.METHODS``, or ``<method>:keys``/``:values``); "fp32" is always
+        evaluated as the baseline.
     out : path
         Results folder; cells already present are skipped (resumable).
     calib_tokens : int
-        Calibration sequence length (``Evaluator``); recorded in every cell. Keep one value per
-        results folder: finished cells are not recomputed when it changes.
+        Calibration sequence length (``Evaluator``), recorded with every calibrated result. Stored
+        results of calibrated methods made with another length are recomputed (module docstring);
+        a warning says when it is shorter than the longest needle context.
     """
     import sys
 
@@ -202,8 +216,8 @@ def run_grid(model: str, methods, out, contexts=(1024,), tasks=("lm", "layers", 
 
     methods = [m for m in dict.fromkeys(["fp32", *methods])]
     for m in methods:
-        if m != "fp32" and m not in METHODS:
-            raise ValueError(f"unknown method {m!r}; known: fp32, {', '.join(sorted(METHODS))}")
+        if m != "fp32":
+            method_info(m)  # ValueError naming the known methods
     _check_calib_tokens(calib_tokens)
     unknown = set(tasks) - {"lm", "layers", "niah"}
     if unknown:
@@ -211,30 +225,91 @@ def run_grid(model: str, methods, out, contexts=(1024,), tasks=("lm", "layers", 
     root = Path(out) / model
     cells = []
     if "lm" in tasks:
-        cells += [("lm", m, root / "lm" / f"{m}.json") for m in methods]
+        cells += [("lm", m, root / "lm" / _file_name(m)) for m in methods]
     if "layers" in tasks:
-        cells += [("layers", m, root / "layers" / f"{m}.json") for m in methods if m != "fp32"]
+        cells += [("layers", m, root / "layers" / _file_name(m)) for m in methods if m != "fp32"]
     if "niah" in tasks:
         cells += [("niah", (c, v, d, s), root / "niah" / f"ctx{c}_{v}_d{d:g}_s{s}.json")
                   for c in contexts for v in variants for d in depths for s in seeds]
-    todo = [c for c in cells if not c[2].is_file()]
+    todo = [(task, arg, path, need) for task, arg, path in cells
+            if (need := _missing(task, arg, path, methods, calib_tokens))]
     summary = {"cells": len(cells), "done_before": len(cells) - len(todo), "ran": 0}
     if not todo:
         return summary
-    ev = Evaluator(model, calibrate=any(METHODS.get(m, {}).get("calibrated") for m in methods),
-                   calib_tokens=calib_tokens)
+    calibrated = {m for _, _, _, need in todo for m in need if _calibrated(m)}
+    longer = [arg[0] for task, arg, _, need in todo if task == "niah" and arg[0] > calib_tokens
+              and calibrated.intersection(need)]
+    if longer:
+        warnings.warn(f"calib_tokens={calib_tokens} is shorter than the needle context {max(longer)}: "
+                      f"{', '.join(sorted(calibrated))} will meet keys at positions they were not "
+                      f"calibrated on (see benchmarks/nova_position.py)", stacklevel=2)
+    ev = Evaluator(model, calibrate=bool(calibrated), calib_tokens=calib_tokens)
     show = sys.stderr.isatty() if progress is None else progress
-    for task, arg, path in tqdm(todo, desc=f"kvq-eval {model}", unit="cell", disable=not show, file=sys.stderr):
+    for task, arg, path, need in tqdm(todo, desc=f"kvq-eval {model}", unit="cell", disable=not show,
+                                      file=sys.stderr):
         t0 = time.perf_counter()
         if task == "lm":
-            res = {"method": arg, **ev.lm(arg, lm_tokens, lm_chunks)}
+            res = {"method": arg, **ev.lm(arg, lm_tokens, lm_chunks), "calib_tokens": calib_tokens}
         elif task == "layers":
-            res = {"method": arg, **ev.layers(arg, lm_tokens)}
+            res = {"method": arg, **ev.layers(arg, lm_tokens), "calib_tokens": calib_tokens}
         else:
             c, v, d, s = arg
-            res = ev.niah(methods, c, v, d, s)
-        res.update({"model": model, "task": task, "wall_seconds": time.perf_counter() - t0,
-                    "calib_tokens": calib_tokens})
+            res = _merge_niah(path, ev.niah(need, c, v, d, s), calib_tokens)
+        res.update({"model": model, "task": task})
+        res["wall_seconds"] = res.get("wall_seconds", 0.0) + time.perf_counter() - t0
         _write(path, res)
         summary["ran"] += 1
     return summary
+
+
+def _file_name(method: str) -> str:
+    """``nova.json``; ``nova_keys.json`` for ``nova:keys`` (no colon in file names)."""
+    return method.replace(":", "_") + ".json"
+
+
+def _calibrated(method: str) -> bool:
+    return method != "fp32" and bool(method_info(method).get("calibrated"))
+
+
+def _entry_calib(entry: dict, cell: dict):
+    """Calibration length of a stored result (per needle entry; older files kept it per cell)."""
+    return entry.get("calib_tokens", cell.get("calib_tokens", 1024))
+
+
+def _missing(task: str, arg, path: Path, methods, calib_tokens: int) -> list[str]:
+    """Methods a cell still needs: absent ones, and calibrated ones stored with another length."""
+    def stale(method, entry, cell):
+        return bool(_calibrated(method)) and _entry_calib(entry, cell) != calib_tokens
+
+    wanted = methods if task == "niah" else [arg]
+    if not path.is_file():
+        return list(wanted)
+    cell = json.loads(path.read_text())
+    if task != "niah":
+        return [arg] if stale(arg, cell, cell) else []
+    have = cell["results"]
+    return [m for m in wanted if m not in have or stale(m, have[m], cell)]
+
+
+def _merge_niah(path: Path, new: dict, calib_tokens: int) -> dict:
+    """``new`` (a needle cell for some methods) merged into the cell stored at ``path``, if any.
+
+    Every calibrated entry records its ``calib_tokens``. The stored sample must be the one just
+    made (same needle key and values), or the fixture changed under the folder: that is an error,
+    never a silent mix of two samples.
+    """
+    for method, entry in new["results"].items():
+        if _calibrated(method):
+            entry["calib_tokens"] = calib_tokens
+    if not path.is_file():
+        return new
+    old = json.loads(path.read_text())
+    if (old["key"], old["values"], old["prompt_tokens"]) != (new["key"], new["values"], new["prompt_tokens"]):
+        raise ValueError(f"{path}: the stored needle sample differs from the one the text fixture now "
+                         f"makes (key {old['key']!r} vs {new['key']!r}); write to a fresh --out folder")
+    for method, entry in old["results"].items():
+        if _calibrated(method) and "calib_tokens" not in entry:
+            entry["calib_tokens"] = _entry_calib(entry, old)
+    old["results"].update(new["results"])
+    old.pop("calib_tokens", None)
+    return old

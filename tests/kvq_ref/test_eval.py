@@ -54,6 +54,27 @@ def test_method_registry():
     assert spec.key(0, 1, 64) is spec.key(0, 1, 64) and spec.key(0, 1, 64) != spec.key(0, 2, 64)
 
 
+def test_half_methods_quantize_one_side_only():
+    from kvq_ref.eval.methods import method_info
+    from kvq_ref.eval.runner import _file_name
+
+    keys, values = make_spec("tq_mse3:keys"), make_spec("tq_mse3:values")
+    full = make_spec("tq_mse3")
+    assert keys.key(2, 1, 64) == full.key(2, 1, 64) and keys.value(2, 1, 64) == Identity(64)
+    assert values.value(2, 1, 64) == full.value(2, 1, 64) and values.key(2, 1, 64) == Identity(64)
+    assert make_spec("tq_mse3:keys") == keys  # same half method, same spec (quantizers shared)
+    nova = method_info("nova:values")
+    assert nova["calibrated"] and (nova["sink"], nova["window"]) == (64, 256) and "nominal_bits" not in nova
+    with pytest.raises(ValueError, match="needs calibration tables"):
+        make_spec("nova:keys")
+    for bad in ("tq_mse3:both", "zip:keys", "tq_mse3:"):
+        with pytest.raises(ValueError, match="each also as <method>:keys"):
+            method_info(bad)
+    with pytest.raises(TypeError, match="method name must be a str"):
+        method_info(3)
+    assert _file_name("nova:keys") == "nova_keys.json" and _file_name("tq_split2.5") == "tq_split2.5.json"
+
+
 def test_scoring_crafted_answers():
     s = Sample("single", 1024, 0.5, 0, "doc", "q", "calm-river", ("1234567",))
     assert score(s, " 1234567.") == 1.0
@@ -73,6 +94,41 @@ def test_calibration_length_is_validated_before_any_model_load(tmp_path, bad):
     if isinstance(bad, int) and not isinstance(bad, bool):
         assert main(["run", "--methods", "nova", "--calib-tokens", str(bad), "--out", str(tmp_path)]) == 2
     assert not any(tmp_path.iterdir())
+
+
+def test_needle_cells_merge_methods_and_recompute_other_calibrations(tmp_path):
+    """What a run still owes a stored cell, and how new entries join it (no model: crafted files)."""
+    from kvq_ref.eval.runner import _merge_niah, _missing
+
+    path = tmp_path / "ctx1024_single_d0.5_s0.json"
+    sample = {"variant": "single", "context": 1024, "depth": 0.5, "seed": 0, "key": "calm-river",
+              "values": ["1234567"], "prompt_tokens": 1000}
+    # an older file: calibration length stored per cell, not per entry
+    path.write_text(json.dumps({**sample, "calib_tokens": 1024, "wall_seconds": 5.0, "results": {
+        "fp32": {"score": 1.0}, "tq_mse4": {"score": 1.0}, "nova": {"score": 0.0}, "oscar": {"score": 1.0}}}))
+    methods = ["fp32", "tq_mse4", "kivi2", "nova", "oscar"]
+    assert _missing("niah", None, path, methods, 1024) == ["kivi2"]
+    # another calibration length: only the calibrated methods are owed again
+    assert _missing("niah", None, path, methods, 4096) == ["kivi2", "nova", "oscar"]
+    assert _missing("niah", None, tmp_path / "absent.json", methods, 4096) == methods
+    new = {**sample, "results": {"kivi2": {"score": 0.0}, "nova": {"score": 1.0}}}
+    merged = _merge_niah(path, new, 4096)
+    assert merged["results"]["nova"] == {"score": 1.0, "calib_tokens": 4096}
+    assert merged["results"]["oscar"] == {"score": 1.0, "calib_tokens": 1024}  # kept, and its length recorded
+    assert merged["results"]["kivi2"] == {"score": 0.0} and merged["results"]["fp32"] == {"score": 1.0}
+    assert "calib_tokens" not in merged and merged["wall_seconds"] == 5.0
+    path.write_text(json.dumps(merged))
+    assert _missing("niah", None, path, methods, 4096) == ["oscar"]
+    assert _missing("niah", None, path, methods, 1024) == ["nova"]
+    # one method per file for lm/layers: an uncalibrated method is never stale
+    lm = tmp_path / "nova.json"
+    lm.write_text(json.dumps({"method": "nova", "calib_tokens": 1024}))
+    assert _missing("lm", "nova", lm, methods, 4096) == ["nova"] and _missing("lm", "nova", lm, methods, 1024) == []
+    lm.write_text(json.dumps({"method": "kivi2", "calib_tokens": 1024}))
+    assert _missing("lm", "kivi2", lm, methods, 4096) == []
+    # a stored sample that is not the one the fixture makes now is never mixed in
+    with pytest.raises(ValueError, match="stored needle sample differs"):
+        _merge_niah(path, {**new, "key": "other-key"}, 4096)
 
 
 def test_plot_and_summary_from_json(tmp_path):
@@ -229,4 +285,12 @@ def test_grid_is_resumable(lm, tmp_path):
     lm_row = json.loads((tmp_path / "smollm2" / "lm" / "tq_mse4.json").read_text())
     assert lm_row["wall_seconds"] > 0 and lm_row["model"] == "smollm2" and lm_row["calib_tokens"] == 1024
     assert run_grid("smollm2", ["tq_mse4"], tmp_path, **kw) == {"cells": 3, "done_before": 3, "ran": 0}
+    # a method added later is computed alone and joins the stored needle cell
+    cell_path = tmp_path / "smollm2" / "niah" / "ctx256_single_d0.5_s0.json"
+    before = json.loads(cell_path.read_text())
+    assert run_grid("smollm2", ["tq_mse4", "tq_mse2"], tmp_path, **kw) == {"cells": 4, "done_before": 2, "ran": 2}
+    after = json.loads(cell_path.read_text())
+    assert set(after["results"]) == {"fp32", "tq_mse4", "tq_mse2"}
+    assert {m: after["results"][m] for m in before["results"]} == before["results"]
+    assert after["wall_seconds"] > before["wall_seconds"]
     assert main(["run", "--methods", "nope", "--out", str(tmp_path)]) == 2
