@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["figures", "load_results", "markdown_table", "plot_results", "summary_table"]
+__all__ = ["figures", "load_results", "markdown_table", "paired_cells", "plot_results", "summary_table"]
 
 
 def load_results(folder, model: str) -> dict:
@@ -24,21 +24,39 @@ def load_results(folder, model: str) -> dict:
     return out
 
 
+def paired_cells(cells: list[dict]) -> list[dict]:
+    """The needle cells that hold every method seen at their context.
+
+    Accuracies are compared on the same samples: a cell that a run filled for only some methods
+    (``kvq-eval run --methods fp32`` on new cells, say) is left out of every method's mean until
+    the other methods are added to it.
+    """
+    by_ctx: dict = {}
+    for cell in cells:
+        by_ctx.setdefault(cell["context"], []).append(cell)
+    out = []
+    for group in by_ctx.values():
+        methods = set().union(*(cell["results"] for cell in group))
+        out += [cell for cell in group if methods <= set(cell["results"])]
+    return out
+
+
 def _niah_scores(cells: list[dict]) -> dict:
     acc: dict = {}
-    for cell in cells:
+    for cell in paired_cells(cells):
         for method, r in cell["results"].items():
             acc.setdefault(method, {}).setdefault(cell["context"], []).append(r["score"])
     return acc
 
 
 def niah_accuracy(cells: list[dict]) -> dict:
-    """{method: {context: mean score}} over variants, depths and seeds."""
+    """{method: {context: mean score}} over variants, depths and seeds (``paired_cells`` only)."""
     return {m: {c: float(np.mean(v)) for c, v in sorted(by.items())} for m, by in _niah_scores(cells).items()}
 
 
 def niah_counts(cells: list[dict]) -> dict:
-    """{method: {context: number of needle cells}} (the sample size behind each accuracy)."""
+    """{method: {context: number of needle cells}} (the sample size behind each accuracy; the same
+    for every method at a context, see ``paired_cells``)."""
     return {m: {c: len(v) for c, v in sorted(by.items())} for m, by in _niah_scores(cells).items()}
 
 
@@ -62,8 +80,8 @@ def markdown_table(res: dict) -> str:
     ``layers`` task's 1024 tokens (side information and its 16-bit band included, which dominates
     for NOVA-KV, OSCAR, KIVI and QJL at this length); perplexity and its change against fp32;
     KL(fp32 || method) per token; top-1 agreement; mean attention-output relative error over
-    layers; needle accuracy per context, with the number of needle cells behind it in the header
-    (``n``, the smallest over methods).
+    layers; needle accuracy per context, over the cells that hold every method (``paired_cells``),
+    with their number in the header (``n``).
     """
     rows = summary_table(res)
     counts = niah_counts(res["niah"])

@@ -145,8 +145,12 @@ def test_plot_and_summary_from_json(tmp_path):
     for ctx in (1024, 2048):
         (root / "niah" / f"ctx{ctx}.json").write_text(json.dumps(
             {"context": ctx, "results": {"fp32": {"score": 1.0}, "tq_mse4": {"score": 0.5}}}))
+    # a cell filled for fp32 only is left out of every mean (methods are compared on the same cells)
+    (root / "niah" / "ctx2048_fp32_only.json").write_text(json.dumps(
+        {"context": 2048, "results": {"fp32": {"score": 0.0}}}))
     rows = {r["method"]: r for r in summary_table(load_results(tmp_path, "smollm2"))}
     assert rows["tq_mse4"]["niah"] == {1024: 0.5, 2048: 0.5} and rows["tq_mse4"]["bits_per_element"] == 4.25
+    assert rows["fp32"]["niah"] == {1024: 1.0, 2048: 1.0}
     table = markdown_table(load_results(tmp_path, "smollm2")).splitlines()
     assert table[0].endswith("| NIAH 1K (n=1) | NIAH 2K (n=1) |") and table[2].startswith("| fp32 | 32 | 32 | 20.00 |")
     # nominal 4, stored 4.25, ppl 21 = +5.0 % over fp32, mean attention error 0.1, needle 0.5 at both contexts
