@@ -58,6 +58,8 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_kvq_ref.py
 	$(PY) benchmarks/bench_nova.py
 	$(PY) benchmarks/nova_position.py
+	$(PY) benchmarks/nova_position.py --calib-tokens 4096 --out benchmarks/results/nova_position_calib4096.json
+	$(PY) benchmarks/nova_position.py --model gemma3 --tokens 2048
 
 # Numba's on-disk cache is keyed on each function's own file only: after editing a shared @njit
 # helper (packing, rotations, row norms), drop the caches of the functions that inline it.

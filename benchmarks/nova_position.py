@@ -3,7 +3,7 @@
 Run from the repository root (needs the evaluation extra and the SmolLM2 wheel; about 20 s with
 the calibration cached)::
 
-    python benchmarks/nova_position.py [--tokens 4096] [--calib-tokens 1024] [--out PATH]
+    python benchmarks/nova_position.py [--model smollm2] [--tokens 4096] [--calib-tokens 1024] [--out PATH]
 
 Why
 ---
@@ -16,8 +16,12 @@ text (disjoint from the calibration text), encodes every key of layers ``LAYERS`
 (no 16-bit band), and reports, per 1024-token bin of key positions, the mean squared key-logit
 error ``(q.k - q.k_hat)^2`` of the last 64 queries, divided by the variance of the exact logits
 in that bin. TurboQuantMSE-2 and -3 are the same-run baselines (data-oblivious, so flat in
-position); the ratio NOVA-KV / TurboQuantMSE-2 per bin is in the JSON. Nothing asserts on the
-outcome.
+position); the ratio NOVA-KV / TurboQuantMSE-2 per bin is in the JSON, and so is every layer's
+row (with the layer's type, sliding or full attention, for Gemma-3) and how strong its key outlier
+channels are (largest channel RMS over the median one). Nothing asserts on the outcome.
+
+``--model gemma3`` runs the same measurement on Gemma-3-270M over all of its 18 layers (its
+``LAYERS`` entry), at ``--tokens 2048`` (its needle contexts are 1-2K).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-LAYERS = (2, 8, 15, 22, 28)
+LAYERS = {"smollm2": (2, 8, 15, 22, 28), "gemma3": tuple(range(18))}
 METHODS = ("nova", "tq_mse2", "tq_mse3")
 BIN = 1024
 QUERIES = 64
@@ -55,13 +59,24 @@ def key_logit_error_by_position(q, k, v, quantizer_k, quantizer_v, bins) -> list
     return [float(err[:, a:b].mean() / exact[:, a:b].var()) for a, b in bins]
 
 
+def channel_peak_to_median(k) -> float:
+    """Largest per-channel RMS of keys ``k`` (T, d) over the median channel's RMS."""
+    rms = np.sqrt((np.asarray(k, dtype=np.float64) ** 2).mean(axis=0))
+    return float(rms.max() / np.median(rms))
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2", choices=sorted(LAYERS))
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--calib-tokens", type=int, default=1024,
                    help="calibration sequence length (the evaluation's default is 1024)")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results/nova_position.json"))
+    p.add_argument("--out", type=Path, default=None,
+                   help="default benchmarks/results/nova_position.json (gemma3: nova_position_gemma3.json)")
     args = p.parse_args(argv)
+    if args.out is None:
+        suffix = "" if args.model == "smollm2" else f"_{args.model}"
+        args.out = Path(f"benchmarks/results/nova_position{suffix}.json")
     if args.tokens < 2 * BIN or args.tokens % BIN:
         raise SystemExit(f"--tokens must be a multiple of {BIN}, at least {2 * BIN}")
     import torch
@@ -72,23 +87,33 @@ def main(argv=None) -> dict:
 
     t0 = time.perf_counter()
     torch.set_grad_enabled(False)
-    ev = Evaluator("smollm2", calib_tokens=args.calib_tokens)  # 2 sequences of the calibration text part
+    layers = LAYERS[args.model]
+    ev = Evaluator(args.model, calib_tokens=args.calib_tokens)  # 2 sequences of the calibration text part
     ids = token_chunks(ev.tok, part("haystack"), args.tokens, 1)[0]
     cap = capture(ev.model, ids)
     bins = [(a, a + BIN) for a in range(0, args.tokens, BIN)]
-    result = {"model": "smollm2", "tokens": args.tokens, "layers": list(LAYERS), "queries": QUERIES,
-              "bins": bins, "calibration_tokens_per_sequence": args.calib_tokens, "relative_key_logit_mse": {}}
+    types = getattr(ev.model.config, "layer_types", None) or ["full_attention"] * ev.model.config.num_hidden_layers
+    result = {"model": args.model, "tokens": args.tokens, "layers": list(layers), "queries": QUERIES,
+              "layer_types": [types[layer] for layer in layers],
+              "bins": bins, "calibration_tokens_per_sequence": args.calib_tokens, "relative_key_logit_mse": {},
+              "per_layer": {}}
+    # outlier channels of the keys themselves: per layer, the largest channel RMS over the median one
+    # (mean over KV heads), from the same window
+    result["key_channel_peak_to_median"] = [float(np.mean([channel_peak_to_median(k) for k in cap[layer][1]]))
+                                            for layer in layers]
     for name in METHODS:
         spec = ev.spec(name)
-        rows = []
-        for layer in LAYERS:
+        per_layer = []
+        for layer in layers:
             q, k, v = (x.astype(np.float64) for x in cap[layer])
             g = q.shape[0] // k.shape[0]
             d = k.shape[-1]
-            for h in range(k.shape[0]):
-                rows.append(key_logit_error_by_position(q[h * g:(h + 1) * g], k[h], v[h], spec.key(layer, h, d),
-                                                        spec.value(layer, h, d), bins))
-        result["relative_key_logit_mse"][name] = np.mean(rows, axis=0).tolist()
+            per_layer.append(np.mean([key_logit_error_by_position(q[h * g:(h + 1) * g], k[h], v[h],
+                                                                  spec.key(layer, h, d), spec.value(layer, h, d),
+                                                                  bins) for h in range(k.shape[0])], axis=0))
+        # every layer has the same number of KV heads, so the mean over layers is the mean over heads
+        result["relative_key_logit_mse"][name] = np.mean(per_layer, axis=0).tolist()
+        result["per_layer"][name] = [row.tolist() for row in per_layer]
     base = np.array(result["relative_key_logit_mse"]["tq_mse2"])
     result["nova_over_tq_mse2"] = (np.array(result["relative_key_logit_mse"]["nova"]) / base).tolist()
     result["wall_seconds"] = round(time.perf_counter() - t0, 1)
@@ -97,6 +122,11 @@ def main(argv=None) -> dict:
     for name, row in result["relative_key_logit_mse"].items():
         print(f"{name:8s} " + "  ".join(f"{a // BIN}-{b // BIN}K {x:.4f}" for (a, b), x in zip(bins, row)))
     print("nova / tq_mse2: " + "  ".join(f"{x:.2f}" for x in result["nova_over_tq_mse2"]))
+    if len(set(result["layer_types"])) > 1:
+        for kind in sorted(set(result["layer_types"])):
+            idx = [i for i, t in enumerate(result["layer_types"]) if t == kind]
+            print(f"{kind}: " + "  ".join(f"{name} {np.mean([result['per_layer'][name][i] for i in idx], axis=0).round(4).tolist()}"
+                                         for name in METHODS))
     return result
 
 
