@@ -279,12 +279,15 @@ def _entry_calib(entry: dict, cell: dict):
 def _missing(task: str, arg, path: Path, methods, calib_tokens: int) -> list[str]:
     """Methods a cell still needs: absent ones, and calibrated ones stored with another length."""
     def stale(method, entry, cell):
-        return bool(_calibrated(method)) and _entry_calib(entry, cell) != calib_tokens
+        return _calibrated(method) and _entry_calib(entry, cell) != calib_tokens
 
     wanted = methods if task == "niah" else [arg]
     if not path.is_file():
         return list(wanted)
-    cell = json.loads(path.read_text())
+    try:
+        cell = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not a readable result file ({exc}); delete it to recompute the cell") from None
     if task != "niah":
         return [arg] if stale(arg, cell, cell) else []
     have = cell["results"]

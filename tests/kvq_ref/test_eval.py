@@ -126,6 +126,9 @@ def test_needle_cells_merge_methods_and_recompute_other_calibrations(tmp_path):
     assert _missing("lm", "nova", lm, methods, 4096) == ["nova"] and _missing("lm", "nova", lm, methods, 1024) == []
     lm.write_text(json.dumps({"method": "kivi2", "calib_tokens": 1024}))
     assert _missing("lm", "kivi2", lm, methods, 4096) == []
+    lm.write_text('{"method": "kivi2", "calib')  # a truncated file is named, never silently redone
+    with pytest.raises(ValueError, match="nova.json: not a readable result file"):
+        _missing("lm", "kivi2", lm, methods, 4096)
     # a stored sample that is not the one the fixture makes now is never mixed in
     with pytest.raises(ValueError, match="stored needle sample differs"):
         _merge_niah(path, {**new, "key": "other-key"}, 4096)
