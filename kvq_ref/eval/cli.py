@@ -35,6 +35,10 @@ def _methods(text: str) -> list[str]:
     return names
 
 
+def _only(text: str | None):
+    return None if text is None else _methods(text)
+
+
 def _cmd_run(args) -> int:
     from .runner import run_grid
 
@@ -60,7 +64,7 @@ def _cmd_run(args) -> int:
 def _cmd_plot(args) -> int:
     from .plot import plot_results
 
-    paths = plot_results(args.results, args.model, args.output)
+    paths = plot_results(args.results, args.model, args.output, _only(args.methods))
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0
 
@@ -68,7 +72,7 @@ def _cmd_plot(args) -> int:
 def _cmd_table(args) -> int:
     from .plot import load_results, markdown_table
 
-    print(markdown_table(load_results(args.results, args.model)))
+    print(markdown_table(load_results(args.results, args.model, _only(args.methods))))
     return 0
 
 
@@ -105,10 +109,14 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("results", help="results folder (the --out of run)")
     q.add_argument("--model", default="smollm2")
     q.add_argument("-o", "--output", required=True, help="output prefix for the PNG files")
+    q.add_argument("--methods", default=None, help="only these methods (comma list, fp32 if listed); "
+                   "needle cells are paired over them alone")
     q.set_defaults(func=_cmd_plot)
     t = sub.add_parser("table", help="the summary table (Markdown) from the JSON")
     t.add_argument("results", help="results folder (the --out of run)")
     t.add_argument("--model", default="smollm2")
+    t.add_argument("--methods", default=None, help="only these methods (comma list, fp32 if listed); "
+                   "needle cells are paired over them alone")
     t.set_defaults(func=_cmd_table)
     c = sub.add_parser("capture", help="exact post-RoPE Q/K/V for kvq-codebooks calibrate")
     c.add_argument("--model", default="smollm2", choices=["smollm2", "gemma3"])

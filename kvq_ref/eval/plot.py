@@ -10,17 +10,29 @@ import numpy as np
 __all__ = ["figures", "load_results", "markdown_table", "paired_cells", "plot_results", "summary_table"]
 
 
-def load_results(folder, model: str) -> dict:
-    """{"lm": {method: row}, "layers": {method: row}, "niah": [cell, ...]} of one model."""
+def load_results(folder, model: str, methods=None) -> dict:
+    """{"lm": {method: row}, "layers": {method: row}, "niah": [cell, ...]} of one model.
+
+    ``methods`` (optional) keeps only those methods ("fp32" included only if listed): the needle
+    cells are then paired over these methods alone (``paired_cells``), so a cell filled for a
+    subset of methods counts for that subset.
+    """
     root = Path(folder) / model
     if not root.is_dir():
         raise FileNotFoundError(f"no results for {model!r} in {folder}")
+    keep = None if methods is None else set(methods)
     out = {"lm": {}, "layers": {}, "niah": []}
     for task in ("lm", "layers"):
         for f in sorted((root / task).glob("*.json")):
             row = json.loads(f.read_text())
-            out[task][row["method"]] = row
-    out["niah"] = [json.loads(f.read_text()) for f in sorted((root / "niah").glob("*.json"))]
+            if keep is None or row["method"] in keep:
+                out[task][row["method"]] = row
+    for f in sorted((root / "niah").glob("*.json")):
+        cell = json.loads(f.read_text())
+        if keep is not None:
+            cell["results"] = {m: r for m, r in cell["results"].items() if m in keep}
+        if cell["results"]:
+            out["niah"].append(cell)
     return out
 
 
@@ -178,12 +190,13 @@ def figures(res: dict, model: str) -> dict:
     return out
 
 
-def plot_results(folder, model: str, prefix) -> list[Path]:
-    """Write ``PREFIX_accuracy_vs_bits.png`` and ``PREFIX_niah_vs_context.png`` (see ``figures``)."""
+def plot_results(folder, model: str, prefix, methods=None) -> list[Path]:
+    """Write ``PREFIX_accuracy_vs_bits.png`` and ``PREFIX_niah_vs_context.png`` (see ``figures``;
+    ``methods`` as in ``load_results``)."""
     prefix = Path(prefix)
     prefix.parent.mkdir(parents=True, exist_ok=True)
     paths = []
-    for name, fig in figures(load_results(folder, model), model).items():
+    for name, fig in figures(load_results(folder, model, methods), model).items():
         path = Path(f"{prefix}_{name}.png")
         fig.savefig(path, dpi=110, metadata={"Software": None})
         paths.append(path)

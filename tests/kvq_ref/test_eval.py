@@ -154,12 +154,19 @@ def test_plot_and_summary_from_json(tmp_path):
     rows = {r["method"]: r for r in summary_table(load_results(tmp_path, "smollm2"))}
     assert rows["tq_mse4"]["niah"] == {1024: 0.5, 2048: 0.5} and rows["tq_mse4"]["bits_per_element"] == 4.25
     assert rows["fp32"]["niah"] == {1024: 1.0, 2048: 1.0}
+    # restricted to fp32, the fp32-only cell is paired and counts
+    only = summary_table(load_results(tmp_path, "smollm2", methods=["fp32"]))
+    assert [r["method"] for r in only] == ["fp32"] and only[0]["niah"] == {1024: 1.0, 2048: 0.5}
     table = markdown_table(load_results(tmp_path, "smollm2")).splitlines()
     assert table[0].endswith("| NIAH 1K (n=1) | NIAH 2K (n=1) |") and table[2].startswith("| fp32 | 32 | 32 | 20.00 |")
     # nominal 4, stored 4.25, ppl 21 = +5.0 % over fp32, mean attention error 0.1, needle 0.5 at both contexts
     assert table[3] == "| tq_mse4 | 4 | 4.25 | 21.00 | +5.0% | 0.0500 | 0.900 | 0.100 | 0.50 | 0.50 |"
     paths = plot_results(tmp_path, "smollm2", tmp_path / "out" / "s")
     assert len(paths) == 2 and all(p.stat().st_size > 10_000 for p in paths)
+    from kvq_ref.eval.cli import main
+
+    assert main(["table", str(tmp_path), "--methods", "fp32"]) == 0
+    assert main(["table", str(tmp_path), "--methods", "fp32,zip"]) == 2
     with pytest.raises(FileNotFoundError):
         load_results(tmp_path, "gemma3")
 
