@@ -7,9 +7,9 @@ the calibration cached)::
 
 Why
 ---
-On SmolLM2, NOVA-KV's needle accuracy falls from 0.70 at 1K to 0 at 4K (README, evaluation
-section), while TurboQuantMSE-3 holds. The evaluation calibrates NOVA-KV on 2 sequences of 1024
-tokens. Post-RoPE keys at positions the calibration never saw are rotated further in the slow
+Calibrated on 2 sequences of 1024 tokens, NOVA-KV's needle accuracy on SmolLM2 falls from 0.70
+at 1K to 0 at 4K, while TurboQuantMSE-3 holds (``results/eval_calib1024/``; README, evaluation
+section; ``make eval`` now calibrates on 4096 tokens). Post-RoPE keys at positions the calibration never saw are rotated further in the slow
 RoPE channels, so their distribution shifts away from the one the transform and the VQ codebooks
 were fitted to. This script measures that: it captures one ``tokens``-long window of the haystack
 text (disjoint from the calibration text), encodes every key of layers ``LAYERS`` with each method
@@ -70,7 +70,7 @@ def main(argv=None) -> dict:
     p.add_argument("--model", default="smollm2", choices=sorted(LAYERS))
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--calib-tokens", type=int, default=1024,
-                   help="calibration sequence length (the evaluation's default is 1024)")
+                   help="calibration sequence length (kvq-eval's default 1024; make eval uses 4096)")
     p.add_argument("--out", type=Path, default=None,
                    help="default benchmarks/results/nova_position.json (gemma3: nova_position_gemma3.json)")
     args = p.parse_args(argv)

@@ -92,8 +92,9 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="run (or resume) the evaluation grid")
     r.add_argument("--model", default="smollm2", choices=["smollm2", "gemma3"])
-    r.add_argument("--methods", default="default", help="comma list, or 'default' for every method; <method>:keys (or :values) applies a "
-                   "method to the keys only (values only), the other half stored exactly")
+    r.add_argument("--methods", default="default",
+                   help="comma list, or 'default' for every method; <method>:keys (or :values) applies "
+                   "a method to the keys only (values only), the other half stored exactly")
     r.add_argument("--ctx", default="1024", help="needle contexts in tokens, e.g. 1024,4096,8192")
     r.add_argument("--tasks", default="lm,layers,niah")
     r.add_argument("--variants", default="single,multikey,multivalue")
