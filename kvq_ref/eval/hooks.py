@@ -33,7 +33,8 @@ import torch
 from ..common import Encoded, Quantizer
 from .methods import MethodSpec
 
-__all__ = ["Session", "session", "register", "QuantizedCache", "ATTN_IMPLEMENTATION", "concat_encoded"]
+__all__ = ["Session", "session", "register", "QuantizedCache", "ATTN_IMPLEMENTATION", "cache_kwargs",
+           "concat_encoded"]
 
 ATTN_IMPLEMENTATION = "kvq"
 _ACTIVE: list["Session"] = []
@@ -142,6 +143,14 @@ def kvq_attention(module, query, key, value, attention_mask, scaling=None, dropo
     return s.cache.attend(module, query, scaling, attention_mask, key, value, kwargs)
 
 
+def cache_kwargs(model, cache) -> dict:
+    """``{name: cache}`` with the keyword the installed transformers takes for a KV cache in
+    ``model(...)`` and ``model.generate(...)``: ``cache`` from 5.x on, ``past_key_values`` before."""
+    import inspect
+
+    return {"cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values": cache}
+
+
 def register() -> str:
     """Register the ``kvq`` attention and mask functions; returns the implementation name."""
     from transformers import AttentionInterface
@@ -238,7 +247,8 @@ class QuantizedCache(_make_cache_base()):
     ``update`` stores the new full-precision states (so stock attention still works) and writes
     them to the layer's store, where tokens leaving the method's 16-bit window are encoded in
     chunks of 32. Inside ``session(mode="cache", ...)`` the ``kvq`` attention reads the store, so
-    ``model.generate(..., past_key_values=QuantizedCache(spec))`` decodes over the quantized cache.
+    ``model.generate(..., **cache_kwargs(model, QuantizedCache(spec)))`` decodes over the quantized
+    cache.
 
     Parameters
     ----------

@@ -33,7 +33,7 @@ import numpy as np
 
 from ..attention import QuantizedKV, attention_prefill, exact_attention, logit_mse, relative_error
 from .calib import capture, calibration_tables, token_chunks
-from .hooks import QuantizedCache, register, session
+from .hooks import QuantizedCache, cache_kwargs, register, session
 from .methods import make_spec, method_info
 from .models import load_model
 from .niah import VARIANTS, make_sample, score
@@ -47,13 +47,6 @@ def _write(path: Path, obj: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(obj, indent=1, sort_keys=True) + "\n")
     tmp.replace(path)
-
-
-def _cache_kw(model, cache) -> dict:
-    """The forward keyword for a KV cache: ``cache`` from transformers 5.x on, ``past_key_values`` before."""
-    import inspect
-
-    return {"cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values": cache}
 
 
 def _check_calib_tokens(calib_tokens) -> None:
@@ -143,13 +136,13 @@ class Evaluator:
 
     # --- niah -----------------------------------------------------------------------------------
     def _greedy(self, cache, first_ids, max_new: int) -> list[int]:
-        out = self.model(first_ids, **_cache_kw(self.model, cache), use_cache=True)
+        out = self.model(first_ids, **cache_kwargs(self.model, cache), use_cache=True)
         nxt = int(out.logits[0, -1].argmax())
         gen = [nxt]
         import torch
 
         for _ in range(max_new - 1):
-            out = self.model(torch.tensor([[nxt]]), **_cache_kw(self.model, cache), use_cache=True)
+            out = self.model(torch.tensor([[nxt]]), **cache_kwargs(self.model, cache), use_cache=True)
             nxt = int(out.logits[0, -1].argmax())
             gen.append(nxt)
             if nxt == self.tok.eos_token_id:
@@ -171,7 +164,7 @@ class Evaluator:
         doc = self.tok(sample.document, return_tensors="pt").input_ids
         question = self.tok(sample.question, add_special_tokens=False, return_tensors="pt").input_ids
         prefill = DynamicCache()
-        self.model(doc, **_cache_kw(self.model, prefill), use_cache=True)
+        self.model(doc, **cache_kwargs(self.model, prefill), use_cache=True)
         results = {}
         for method in methods:
             t0 = time.perf_counter()

@@ -243,7 +243,7 @@ def test_each_method_gives_finite_metrics_and_band_is_exact(lm, name):
 def test_quantized_cache_generate_and_band(lm):
     import torch
 
-    from kvq_ref.eval.hooks import QuantizedCache, session
+    from kvq_ref.eval.hooks import QuantizedCache, cache_kwargs, session
 
     model, tok, ids, ref = lm
     short = ids[:, :150]
@@ -251,12 +251,12 @@ def test_quantized_cache_generate_and_band(lm):
     spec = make_spec("identity")
     cache = QuantizedCache(spec)
     with session("cache", spec, cache):
-        same = model.generate(short, max_new_tokens=6, do_sample=False, past_key_values=cache)
+        same = model.generate(short, max_new_tokens=6, do_sample=False, **cache_kwargs(model, cache))
     assert torch.equal(plain, same)
     spec = make_spec("kivi2")  # window 128: 200 + 5 tokens written -> 64 (two chunks) leave the window
     cache = QuantizedCache(spec)
     with session("cache", spec, cache):
-        out = model.generate(ids, max_new_tokens=6, do_sample=False, past_key_values=cache)
+        out = model.generate(ids, max_new_tokens=6, do_sample=False, **cache_kwargs(model, cache))
     assert out.shape == (1, 206)
     store = cache.stores[0]
     assert (store.n, store.n_mid, store.win_k[0].shape[0]) == (205, 64, 141)

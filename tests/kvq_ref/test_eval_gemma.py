@@ -67,14 +67,14 @@ def test_gemma_identity_simulation_matches_stock(gemma):
 def test_gemma_quantized_cache_generate_equals_plain(gemma):
     import torch
 
-    from kvq_ref.eval.hooks import QuantizedCache, session
+    from kvq_ref.eval.hooks import QuantizedCache, cache_kwargs, session
 
     model, tok, info, ids, ref = gemma
     plain = model.generate(ids, max_new_tokens=5, do_sample=False)
     spec = make_spec("identity")
     cache = QuantizedCache(spec)
     with session("cache", spec, cache):
-        same = model.generate(ids, max_new_tokens=5, do_sample=False, past_key_values=cache)
+        same = model.generate(ids, max_new_tokens=5, do_sample=False, **cache_kwargs(model, cache))
     assert torch.equal(plain, same)
 
 
