@@ -28,10 +28,10 @@ eval-deps: $(STAMP)
 	command -v bible >/dev/null || (apt-get install -y bible-kjv >/dev/null 2>&1 || \
 	  echo "bible-kjv not installed (optional: the committed fixture covers 8K-token haystacks)")
 
-# The full SmolLM2 grid of README's evaluation table (resumable: finished cells are skipped).
+# The full SmolLM2 grid of README's evaluation table (resumable: only missing entries are computed).
 # Calibrated methods are fitted on 2 x 4096 tokens, covering the contexts up to 4K (the length
 # matters: benchmarks/nova_position.py). The 8K cells with a matching 8192-token calibration, which
-# takes ~30 min on 2 cores, are in results/eval_calib8192 (README).
+# takes ~25 min on 2 cores, are in results/eval_calib8192 (README).
 eval: $(STAMP)
 	$(VENV)/bin/kvq-eval run --model smollm2 --methods default --ctx 1024,2048,4096,8192 --calib-tokens 4096 --out results/eval
 	$(VENV)/bin/kvq-eval plot results/eval --model smollm2 -o results/eval/smollm2

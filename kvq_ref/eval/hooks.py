@@ -24,6 +24,7 @@ is masked in every mode.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -146,9 +147,15 @@ def kvq_attention(module, query, key, value, attention_mask, scaling=None, dropo
 def cache_kwargs(model, cache) -> dict:
     """``{name: cache}`` with the keyword the installed transformers takes for a KV cache in
     ``model(...)`` and ``model.generate(...)``: ``cache`` from 5.x on, ``past_key_values`` before."""
+    return {_cache_keyword(type(model)): cache}
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_keyword(model_class) -> str:
+    # looked up once per model class: decoding calls cache_kwargs at every generated token
     import inspect
 
-    return {"cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values": cache}
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
 def register() -> str:
