@@ -76,6 +76,14 @@ def _cmd_table(args) -> int:
     return 0
 
 
+def _cmd_compare(args) -> int:
+    from .plot import comparison_table, load_results, paired_comparison
+
+    cells = load_results(args.results, args.model)["niah"]
+    print(comparison_table(paired_comparison(cells, args.a, args.b), args.a, args.b))
+    return 0
+
+
 def _cmd_capture(args) -> int:
     from .calib import capture, save_qkv, token_chunks
     from .models import load_model
@@ -119,6 +127,13 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--methods", default=None, help="only these methods (comma list, fp32 if listed); "
                    "needle cells are paired over them alone")
     t.set_defaults(func=_cmd_table)
+    k = sub.add_parser("compare", help="two methods on their shared needle cells: wins, losses, "
+                       "sign test (Markdown)")
+    k.add_argument("results", help="results folder (the --out of run)")
+    k.add_argument("a", help="method, e.g. nova")
+    k.add_argument("b", help="method to compare against, e.g. quarot2")
+    k.add_argument("--model", default="smollm2")
+    k.set_defaults(func=_cmd_compare)
     c = sub.add_parser("capture", help="exact post-RoPE Q/K/V for kvq-codebooks calibrate")
     c.add_argument("--model", default="smollm2", choices=["smollm2", "gemma3"])
     c.add_argument("--tokens", type=int, default=1024)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
 
-__all__ = ["figures", "load_results", "markdown_table", "paired_cells", "plot_results", "summary_table"]
+__all__ = ["comparison_table", "figures", "load_results", "markdown_table", "paired_cells",
+           "paired_comparison", "plot_results", "summary_table"]
 
 
 def load_results(folder, model: str, methods=None) -> dict:
@@ -70,6 +72,67 @@ def niah_counts(cells: list[dict]) -> dict:
     """{method: {context: number of needle cells}} (the sample size behind each accuracy; the same
     for every method at a context, see ``paired_cells``)."""
     return {m: {c: len(v) for c, v in sorted(by.items())} for m, by in _niah_scores(cells).items()}
+
+
+def paired_comparison(cells: list[dict], a: str, b: str) -> dict:
+    """Method ``a`` against method ``b`` on the needle cells that hold both, per context.
+
+    Parameters
+    ----------
+    cells : list of dict
+        Needle cells (``load_results(...)["niah"]``).
+    a, b : str
+        Two different method names ("fp32" included).
+
+    Returns
+    -------
+    dict
+        ``{context: {"n", "wins", "losses", "ties", "mean_diff", "p_sign"}}``: the number of cells
+        holding both methods, the cells where ``a`` scores above ``b``, below, equal, the mean score
+        difference ``a - b``, and the one-sided exact sign-test p-value.
+
+    Notes
+    -----
+    Each cell is one needle sample scored by both methods over the same prefill, so the cells are
+    matched pairs. The sign test drops ties and asks how likely at least ``wins`` wins are out of
+    ``wins + losses`` untied cells if neither method were better:
+    ``p = P(W >= wins), W ~ Binomial(wins + losses, 1/2)`` (1.0 when every cell ties). It needs no
+    assumption on the score distribution (0/1, or thirds for multi-value). Cells are not quite
+    independent (they share the haystack text and the calibrated tables), so p is a guide to how
+    much the sample says, not an exact error rate.
+    """
+    if not isinstance(a, str) or not isinstance(b, str):
+        raise TypeError("methods a and b must be str")
+    if a == b:
+        raise ValueError(f"methods a and b must differ, got {a!r} twice")
+    seen = set().union(*(cell["results"] for cell in cells)) if cells else set()
+    for name, m in (("a", a), ("b", b)):
+        if m not in seen:
+            raise ValueError(f"method {name}={m!r} has no needle cell; present: {sorted(seen)}")
+    diffs: dict = {}
+    for cell in cells:
+        r = cell["results"]
+        if a in r and b in r:
+            diffs.setdefault(cell["context"], []).append(r[a]["score"] - r[b]["score"])
+    out = {}
+    for ctx, d in sorted(diffs.items()):
+        d = np.asarray(d, dtype=float)
+        wins, losses = int(np.sum(d > 0)), int(np.sum(d < 0))
+        m = wins + losses
+        p = sum(math.comb(m, k) for k in range(wins, m + 1)) / 2.0 ** m
+        out[ctx] = {"n": int(d.size), "wins": wins, "losses": losses, "ties": int(d.size) - m,
+                    "mean_diff": float(d.mean()), "p_sign": float(p)}
+    return out
+
+
+def comparison_table(cmp: dict, a: str, b: str) -> str:
+    """``paired_comparison`` as a Markdown table, one row per context."""
+    head = ["context", "cells", f"{a} > {b}", f"{a} < {b}", "ties", f"mean {a} − {b}", "sign test p"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for ctx, r in cmp.items():
+        lines.append(f"| {ctx} | {r['n']} | {r['wins']} | {r['losses']} | {r['ties']} | "
+                     f"{r['mean_diff']:+.2f} | {r['p_sign']:.3g} |")
+    return "\n".join(lines)
 
 
 def summary_table(res: dict) -> list[dict]:

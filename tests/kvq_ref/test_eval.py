@@ -14,7 +14,8 @@ from kvq_ref import KIVI, QJL, PolarQuant, QuaRot, TurboBlock, TurboQuantMSE, Tu
 from kvq_ref.eval.hooks import concat_encoded
 from kvq_ref.eval.methods import METHODS, Blocked, Identity, make_spec
 from kvq_ref.eval.niah import Sample, score
-from kvq_ref.eval.plot import load_results, markdown_table, plot_results, summary_table
+from kvq_ref.eval.plot import (comparison_table, load_results, markdown_table, paired_comparison, plot_results,
+                               summary_table)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -169,6 +170,44 @@ def test_plot_and_summary_from_json(tmp_path):
     assert main(["table", str(tmp_path), "--methods", "fp32,zip"]) == 2
     with pytest.raises(FileNotFoundError):
         load_results(tmp_path, "gemma3")
+
+
+def test_paired_comparison_sign_test(tmp_path):
+    from scipy.stats import binomtest
+
+    def cell(ctx, a, b, extra=None):
+        r = {"a": {"score": a}, "b": {"score": b}, **({"c": {"score": extra}} if extra is not None else {})}
+        return {"context": ctx, "results": r}
+
+    # 1K: a wins 5 (one by a third), loses 1, ties 2; 2K: all ties; a cell without b is not paired
+    cells = [cell(1024, 1, 0), cell(1024, 1, 0), cell(1024, 1, 0), cell(1024, 1, 0), cell(1024, 1 / 3, 0),
+             cell(1024, 0, 1), cell(1024, 0, 0), cell(1024, 1, 1), cell(2048, 1, 1, extra=0),
+             {"context": 2048, "results": {"a": {"score": 1.0}}}]
+    cmp = paired_comparison(cells, "a", "b")
+    one = cmp[1024]
+    assert (one["n"], one["wins"], one["losses"], one["ties"]) == (8, 5, 1, 2)
+    assert one["mean_diff"] == pytest.approx((4 + 1 / 3 - 1) / 8, abs=1e-12)
+    # exact one-sided sign test = binomial test on the untied cells (scipy, independent code)
+    assert one["p_sign"] == pytest.approx(binomtest(5, 6, 0.5, alternative="greater").pvalue, rel=1e-12)
+    assert cmp[2048] == {"n": 1, "wins": 0, "losses": 0, "ties": 1, "mean_diff": 0.0, "p_sign": 1.0}
+    rev = paired_comparison(cells, "b", "a")[1024]
+    assert (rev["wins"], rev["losses"]) == (1, 5) and rev["p_sign"] == pytest.approx(63 / 64, rel=1e-12)
+    table = comparison_table(cmp, "a", "b").splitlines()
+    assert table[0] == "| context | cells | a > b | a < b | ties | mean a − b | sign test p |"
+    assert table[2] == f"| 1024 | 8 | 5 | 1 | 2 | +0.42 | {7 / 64:.3g} |"
+    with pytest.raises(ValueError, match="must differ"):
+        paired_comparison(cells, "a", "a")
+    with pytest.raises(ValueError, match="b='zip'"):
+        paired_comparison(cells, "a", "zip")
+    with pytest.raises(TypeError, match="str"):
+        paired_comparison(cells, "a", 3)
+    (tmp_path / "smollm2" / "niah").mkdir(parents=True)
+    for i, c in enumerate(cells):
+        (tmp_path / "smollm2" / "niah" / f"c{i}.json").write_text(json.dumps(c))
+    from kvq_ref.eval.cli import main
+
+    assert main(["compare", str(tmp_path), "a", "b"]) == 0
+    assert main(["compare", str(tmp_path), "a", "zip"]) == 2
 
 
 # ---------------------------------------------------------------------------------------------
