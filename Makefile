@@ -33,7 +33,7 @@ eval-deps: $(STAMP)
 # matters: benchmarks/nova_position.py). The 8K cells with a matching 8192-token calibration, which
 # takes ~25 min on 2 cores, are in results/eval_calib8192 (README).
 eval: $(STAMP)
-	$(VENV)/bin/kvq-eval run --model smollm2 --methods default --ctx 1024,2048,4096,8192 --calib-tokens 4096 --out results/eval
+	$(VENV)/bin/kvq-eval run --model smollm2 --methods default --ctx 1024,2048,4096,8192 --seeds 0,1 --calib-tokens 4096 --out results/eval
 	$(VENV)/bin/kvq-eval plot results/eval --model smollm2 -o results/eval/smollm2
 
 demo: $(STAMP)

@@ -2,7 +2,7 @@
 # # 05 · Real-model evaluation on SmolLM2-135M
 #
 # The full grid is one command, `make eval`, which runs
-# `kvq-eval run --model smollm2 --methods default --ctx 1024,2048,4096,8192 --calib-tokens 4096`
+# `kvq-eval run --model smollm2 --methods default --ctx 1024,2048,4096,8192 --seeds 0,1 --calib-tokens 4096`
 # (the calibrated methods are fitted on 2 × 4096 tokens). Its JSON results are committed under
 # `results/eval/smollm2/`. This notebook reads them, then runs one short
 # live evaluation: perplexity against fp32 on 256 held-out tokens, and a needle at 1K tokens.
