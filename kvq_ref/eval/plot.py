@@ -114,6 +114,9 @@ def paired_comparison(cells: list[dict], a: str, b: str) -> dict:
         r = cell["results"]
         if a in r and b in r:
             diffs.setdefault(cell["context"], []).append(r[a]["score"] - r[b]["score"])
+    if not diffs:
+        raise ValueError(f"no needle cell holds both {a!r} and {b!r}; add one to the other's cells "
+                         f"with kvq-eval run --methods {a},{b}")
     out = {}
     for ctx, d in sorted(diffs.items()):
         d = np.asarray(d, dtype=float)
@@ -127,7 +130,7 @@ def paired_comparison(cells: list[dict], a: str, b: str) -> dict:
 
 def comparison_table(cmp: dict, a: str, b: str) -> str:
     """``paired_comparison`` as a Markdown table, one row per context."""
-    head = ["context", "cells", f"{a} > {b}", f"{a} < {b}", "ties", f"mean {a} − {b}", "sign test p"]
+    head = ["context", "cells", f"{a} > {b}", f"{a} < {b}", "ties", f"mean {a} − {b}", "p (sign test, one-sided)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for ctx, r in cmp.items():
         lines.append(f"| {ctx} | {r['n']} | {r['wins']} | {r['losses']} | {r['ties']} | "

@@ -193,12 +193,14 @@ def test_paired_comparison_sign_test(tmp_path):
     rev = paired_comparison(cells, "b", "a")[1024]
     assert (rev["wins"], rev["losses"]) == (1, 5) and rev["p_sign"] == pytest.approx(63 / 64, rel=1e-12)
     table = comparison_table(cmp, "a", "b").splitlines()
-    assert table[0] == "| context | cells | a > b | a < b | ties | mean a − b | sign test p |"
+    assert table[0] == "| context | cells | a > b | a < b | ties | mean a − b | p (sign test, one-sided) |"
     assert table[2] == f"| 1024 | 8 | 5 | 1 | 2 | +0.42 | {7 / 64:.3g} |"
     with pytest.raises(ValueError, match="must differ"):
         paired_comparison(cells, "a", "a")
     with pytest.raises(ValueError, match="b='zip'"):
         paired_comparison(cells, "a", "zip")
+    with pytest.raises(ValueError, match="no needle cell holds both 'a' and 'c'"):
+        paired_comparison([cells[-1], {"context": 1024, "results": {"c": {"score": 1.0}}}], "a", "c")
     with pytest.raises(TypeError, match="str"):
         paired_comparison(cells, "a", 3)
     (tmp_path / "smollm2" / "niah").mkdir(parents=True)
