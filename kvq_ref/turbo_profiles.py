@@ -72,8 +72,11 @@ def parse_f32(text: str) -> np.float32:
     ``np.float32(float(text))`` rounds twice (to float64, then float32) and can differ by one ulp.
     """
     exact = Fraction(text)
-    f = np.float32(float(text))
-    cands = (np.nextafter(f, np.float32(-np.inf)), f, np.nextafter(f, np.float32(np.inf)))
+    with np.errstate(over="ignore"):
+        f = np.float32(float(text))
+    if not np.isfinite(f):  # past the float32 range (the caller refuses it)
+        return f
+    cands = [c for c in (np.nextafter(f, np.float32(-np.inf)), f, np.nextafter(f, np.float32(np.inf))) if np.isfinite(c)]
     return min(cands, key=lambda c: (abs(Fraction(float(c)) - exact), int(np.array(c).view(np.uint32)) & 1))
 
 
