@@ -148,3 +148,18 @@ def test_a_new_revision_is_data(tmp_path):
     assert TurboBlock("turbo3", profile=prof).encode(x) != TurboBlock("turbo3").encode(x)  # configs differ
     assert np.array_equal(TurboBlock("turbo3", profile=prof).encode(x).arrays["blocks"],
                           TurboBlock("turbo3").encode(x).arrays["blocks"])
+
+
+def test_the_exported_header_is_the_exact_profile(tmp_path):
+    """`kvq-codebooks export --format llama.cpp` writes the tables profile fork@69d8e4be+exact uses:
+    a fork build with that header writes this profile's bytes."""
+    from codebooks.cli import main
+    from tests.codebooks.test_export import parse_header
+
+    out = tmp_path / "turbo_tables.h"
+    assert main(["export", "--format", "llama.cpp", "--bits", "2,3,4", "--out", str(out)]) == 0
+    tables = parse_header(out.read_text())
+    for fmt, bits in (("turbo2", 2), ("turbo3", 3), ("turbo4", 4)):
+        tb = TurboBlock(fmt, profile="fork@69d8e4be+exact")
+        assert np.array_equal([parse_f32(v) for v in tables[bits]["CENTROIDS"]], tb.levels)
+        assert np.array_equal([parse_f32(v) for v in tables[bits]["THRESHOLDS"]], tb.thresholds)
