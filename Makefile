@@ -57,6 +57,7 @@ tables: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/bench_codebooks.py
 	$(PY) benchmarks/bench_kvq_ref.py
+	$(PY) benchmarks/bench_turbo_profiles.py
 	$(PY) benchmarks/bench_nova.py
 	$(PY) benchmarks/nova_position.py
 	$(PY) benchmarks/nova_position.py --calib-tokens 4096 --out benchmarks/results/nova_position_calib4096.json

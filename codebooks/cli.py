@@ -8,6 +8,7 @@ kvq-codebooks build --dist polar --level 1-4 --bits 1-4 --out DIR
 kvq-codebooks audit --dist sphere --dim 128 --levels=-0.133,-0.04,0.04,0.133
 kvq-codebooks show DIR
 kvq-codebooks calibrate --qkv captured.safetensors --out calib/
+kvq-codebooks export --format llama.cpp --bits 2,3,4 --out turbo_tables.h
 """
 
 from __future__ import annotations
@@ -91,6 +92,23 @@ def _cmd_show(args) -> int:
     for cb in tables.values():
         ud = f"{cb.unit_distortion:12.6g}" if cb.unit_distortion is not None else f"{'':12s}"
         print(f"  {cb.name:24s} {cb.bits:4d} {cb.mse:14.8g} {ud} {cb.iterations:5d} {cb.residual:9.1e}")
+    return 0
+
+
+def _cmd_export(args) -> int:
+    from .export import FORMATS, llama_cpp_codebooks, render_llama_cpp_header
+
+    if args.format not in FORMATS:
+        raise ValueError(f"--format must be one of {', '.join(FORMATS)}, got {args.format!r}")
+    bits = parse_int_list(args.bits, "--bits")
+    cbs = llama_cpp_codebooks(bits, args.dim)
+    out = Path(args.out)
+    if out.is_dir():
+        raise ValueError(f"--out {out} is a folder; give the header's file name")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(render_llama_cpp_header(cbs, args.dim))
+    print(f"wrote {out}: CENTROIDS/THRESHOLDS_<b>BIT of SphereMarginal({args.dim}) at bits "
+          f"{', '.join(map(str, bits))} (float32, llama.cpp TurboQuant form)")
     return 0
 
 
@@ -192,6 +210,13 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--max-train-tokens", type=int, default=32768, help="tokens per head for k-means")
     c.add_argument("--seed", type=int, default=0)
     c.set_defaults(func=_cmd_calibrate)
+
+    e = sub.add_parser("export", help="write exact tables in another project's source form (a C header)")
+    e.add_argument("--format", required=True, help="llama.cpp: the TurboQuant fork's CENTROIDS_<b>BIT tables")
+    e.add_argument("--bits", default="2,3,4", help="bit widths in 1..8 (default 2,3,4: turbo2/3/4)")
+    e.add_argument("--dim", type=int, default=128, help="SphereMarginal dimension (default 128, the fork's group)")
+    e.add_argument("--out", required=True, help="output file (.h)")
+    e.set_defaults(func=_cmd_export)
 
     s = sub.add_parser("show", help="list the codebooks of a table set")
     s.add_argument("folder")

@@ -1,39 +1,79 @@
-"""The llama.cpp TurboQuant fork's block formats turbo2/turbo3/turbo4, byte for byte.
+"""The llama.cpp TurboQuant fork's block formats turbo2/turbo3/turbo4, byte for byte, per profile.
 
 Notes
 -----
-REFERENCE.md section 5. One block is one vector of ``block`` values (128, one attention head, or
-32 as in several forks); ``dim == block``. Encoding::
+REFERENCE.md section 5. One block is one vector of ``block`` values (128: one attention head);
+``dim == block``. The layout, sign vectors, tables and rules come from a profile
+(``kvq_ref.turbo_profiles``; records in ``kvq_ref/data/turbo_profiles.json``). Shipped:
 
-    y   = D(s2) (H / sqrt(block)) D(s1) x / ||x||       (HadamardRotation.from_signs(s1, s2))
-    idx = #{thresholds < y_j}                          (searchsorted side="left": ties go low)
-    c   = levels[idx],   gamma = fp16(||x|| / ||c||)   ("norm correction": ||x_hat|| = ||x||)
-    x_hat = gamma * R^T c
+=====================  ===============================  ==========  ======================  ==================
+profile                reproduces                        signs       tables                  rules
+=====================  ===============================  ==========  ======================  ==================
+fork@69d8e4be          the fork at 69d8e4be (default)   the fork's  the fork's (float32)    float32, tie high
+fork@69d8e4be+exact    the fork at 69d8e4be built with   the fork's  Lloyd-Max (float32)     float32, tie high
+                       ``kvq-codebooks export`` tables
+kvq                    this toolkit's earlier blocks     seeded      Lloyd-Max (float64)     float64, tie low
+=====================  ===============================  ==========  ======================  ==================
 
-with the exact Lloyd-Max table of ``SphereMarginal(block)`` at 2/3/4 bits (``codebooks``). The
-two ±1 sign vectors are drawn from ``rng(seed, STREAM_MISC)`` (s1 first, then s2, each
-``choice([-1, 1], block)``): the fork's hard-coded sign vectors are not reproduced, only the
-structure ``D2 H D1``. A zero vector is stored with gamma = +0 and decodes to zeros.
+Encoding, every profile (norm correction: the decoded norm is the input norm)::
 
-Byte layout of one block (little-endian, fields concatenated, blocks concatenated in C order)::
+    n = ||x||,  u = x / n  (u = 0 if n <= tiny),  y = D(s2) (H / sqrt(block)) D(s1) u
+    idx_j = cell of y_j,  c = levels[idx],  gamma = fp16(n / ||c||)  (n if ||c|| <= tiny)
+    x_hat = gamma R^T c
 
-    fmt     block 128                                  block 32
+Float32 rule (the fork's CPU reference; kernels must match it step for step). The input is
+rounded to float32. ``n^2 = sum_j x_j * x_j`` left to right, every product and sum rounded to
+float32 (no FMA); ``n = sqrtf(n^2)``; ``inv = 1/n`` (float32) if ``n > tiny`` (tiny = float32
+1e-10) else 0; ``u_j = x_j * inv``; ``u_j *= s1_j``; butterflies for h = 1, 2, ..., block/2:
+``(u_j, u_(j+h)) = (a + b, a - b)`` for j in [i, i+h), i = 0, 2h, ...; ``u_j *= (scale * s2_j)``
+with the profile's float32 ``rotation_scale``. Index: the first i with ``y_j < t_i`` (strict),
+else the last: a value on a threshold takes the HIGHER cell (y = 0 takes 2^(b-1)). Then
+``r^2 = sum_j levels[idx_j]^2`` (float32, left to right), ``gamma = n / sqrtf(r^2)`` if
+``sqrtf(r^2) > tiny`` else ``n``, rounded to fp16 (nearest even). Decoding in the rotated domain
+(the fork's ``dequantize_row_*``; it rotates queries instead) is ``levels[idx_j] * float(gamma)``
+in float32; the original domain is its inverse, in float32: ``y_j *= s2_j``, the same butterflies,
+``y_j *= (scale * s1_j)``.
+
+Float64 rule (profile ``kvq``): ``kvq_ref.turboquant.quantize_rotated`` (ties take the lower cell),
+decoding ``R^T (levels[idx] * gamma)`` in float64 rounded to float32; the gpu/ kernels match it.
+
+Byte layout (little-endian; blocks concatenated in C order), from the profile::
+
+    fmt     block 128                                  block 32 (profile kvq only)
     turbo2  norm fp16 | qs[32]             34 B 2.125  norm | qs[8]            10 B  2.5
     turbo3  norm fp16 | qs[32] | signs[16] 50 B 3.125  norm | qs[8] | signs[4] 14 B  3.5
-    turbo4  norm fp16 | unused fp16 = 0 | qs[64]
-                                           68 B 4.25   norm | qs[16]           18 B  4.5
+    turbo4  norm fp16 | zero fp16 | qs[64] 68 B 4.25   norm | qs[16]           18 B  4.5
 
-(bytes per block, bits per value). ``qs`` of turbo2/turbo3: 2-bit values, element j at bits
-``2 (j % 4)`` of byte ``j / 4`` (turbo3 stores the low 2 bits of its 3-bit index there);
-``signs``: the high bit of element j's 3-bit index at bit ``j % 8`` of byte ``j / 8``; turbo4
-``qs``: element j at bits ``4 (j % 2)`` of byte ``j / 2``. These placements are exactly
-``kvq_ref.packing.pack_codes`` at 2, 1 and 4 bits, which builds them. The 32-value turbo4 has no
-unused field (2 + 16 bytes = 4.5 b/v). ``norm`` is gamma, the norm-correction scale.
+``qs`` of turbo2/turbo3: 2-bit values, element j at bits ``2 (j % 4)`` of byte ``j / 4`` (turbo3
+stores the low 2 bits of its 3-bit index there); ``signs``: the high bit of element j at bit
+``j % 8`` of byte ``j / 8``; turbo4 ``qs``: element j at bits ``4 (j % 2)`` of byte ``j / 2``
+(``kvq_ref.packing`` at 2, 1 and 4 bits). ``norm`` is gamma. A buffer whose norm is NaN/Inf or has
+its sign bit set, or whose zero field is not zero, is refused with ``ValueError``.
 
-A buffer whose norm is NaN/Inf or has its sign bit set (the encoder never writes -0 or a negative
-scale), or whose unused field is not zero, is refused with ``ValueError`` (``from_bytes``,
-``decode``). Queries are rotated once (``<q, x_hat> = gamma <R q, c>``) and weighted sums of
-values are formed in the rotated domain with one inverse rotation, as in ``TurboQuantMSE``.
+Deviations from the fork's CPU reference at 69d8e4be, measured (``benchmarks/bench_turbo_profiles.py``
+-> ``benchmarks/results/turbo_profiles.json``: relative MSE ``||x - x_hat||^2 / ||x||^2`` of 20,000
+Gaussian vectors, "keys" = 20,000 vectors with offset, unequally scaled channels):
+
+* ``fork@69d8e4be`` (default): byte-identical on all 1,200 golden rows (400 inputs x 3 formats,
+  733 blocks per format; ``tests/interop/test_llama_cpp_turboquant.py``). Kept deviations, none of
+  which changes a byte the fork writes for a finite scale: (1) where gamma passes the fp16 range
+  (``n / ||c|| > 65504``) the fork stores +Inf (0x7C00), which decodes to +-inf; ``encode`` raises
+  ``ValueError`` and ``decode`` refuses such a block. (2) Inputs of any float dtype are accepted
+  and rounded to float32 first, as the fork's float32 caller does. (3) ``decode`` returns the
+  original domain (the inverse rule above; the fork applies it in its graph); ``decode_rotated``
+  is the fork's dequantize. (4) The fork's 32-value storage blocks (QK_TURBO = 32 in other
+  revisions: one 128-value rotation and norm, the norm copied into four 32-value blocks) are not
+  offered: at 69d8e4be every block holds 128 values and no golden data pins the other layout.
+* ``fork@69d8e4be+exact``: the tables only. The fork's tables are +0.004 %, +0.14 % and +109 %
+  above the Lloyd-Max optimum of SphereMarginal(128) (exact audit); relative MSE turbo2 / turbo3 /
+  turbo4 0.1189 / 0.0338 / 0.0092 against the fork's 0.1189 / 0.0338 / 0.0181, i.e. x1.000,
+  x0.999, x0.508 (+-0.002) of the fork's on the same vectors (keys: x1.000, x0.992, x0.573).
+  Indices agree with the fork's on 99.9 % / 99.1 % / 19 % of values; blocks are byte-identical on
+  0 % / 4.9 % / 0 % (the norm field follows the table).
+* ``kvq``: seeded signs, exact float64 tables, float64 arithmetic, ties to the lower cell: 0 % of
+  blocks byte-identical with the fork; relative MSE at 128 values x1.001, x1.002, x0.508 of the
+  fork's (Gaussian; the same as the exact profile within 2 SE). Its 32-value blocks (own rotation
+  and norm per 32 values; 2.5 / 3.5 / 4.5 bits per value) reach 0.1119 / 0.0308 / 0.0082.
 """
 
 from __future__ import annotations
@@ -41,65 +81,100 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import cached_property
+from types import SimpleNamespace
 from typing import ClassVar
 
 import numpy as np
 
-from codebooks import SphereMarginal
+from codebooks import Codebook, SphereMarginal
 
-from .common import Encoded, RotatedQuantizer, as_array, codebook, to_fp
-from .turboquant import quantize_rotated
-from .packing import pack_codes, unpack_codes
+from .common import Encoded, RotatedQuantizer, as_array, codebook
 from .rotations import STREAM_MISC, HadamardRotation, rng
+from .turbo_profiles import DEFAULT_PROFILE, FORMATS, TurboProfile, get_profile
+from .turboquant import quantize_rotated
 
-__all__ = ["TurboBlock", "FORMATS"]
+__all__ = ["TurboBlock", "FORMATS", "DEFAULT_PROFILE"]
 
-#: bits per index of each format
-FORMATS = {"turbo2": 2, "turbo3": 3, "turbo4": 4}
-_F16 = np.dtype("<f2")
+_F32 = np.float32
+
+
+def _butterflies32(u: np.ndarray) -> np.ndarray:
+    """Unnormalized Walsh-Hadamard butterflies of rows (N, block) in float32, the fork's order."""
+    n, d = u.shape
+    h = 1
+    while h < d:
+        v = u.reshape(n, d // (2 * h), 2, h)
+        a, b = v[:, :, 0, :], v[:, :, 1, :]
+        u = np.stack((a + b, a - b), axis=2).reshape(n, d)
+        h *= 2
+    return u
+
+
+def _sum_squares32(v: np.ndarray) -> np.ndarray:
+    """``sum_j v_j * v_j`` of rows (N, k) in float32, left to right, every step rounded."""
+    s = np.zeros(v.shape[0], dtype=_F32)
+    for j in range(v.shape[1]):
+        s = s + v[:, j] * v[:, j]
+    return s
 
 
 @dataclass(frozen=True)
 class TurboBlock(RotatedQuantizer):
-    """A turbo2/turbo3/turbo4 block quantizer with the fork's exact byte layout.
+    """A turbo2/turbo3/turbo4 block quantizer with a profile's byte layout and rules.
 
     Parameters
     ----------
     fmt : {"turbo2", "turbo3", "turbo4"}
         2, 3 or 4 bits per value.
-    block : {128, 32}
-        Values per block (= vector dimension).
+    block : int
+        Values per block (= vector dimension): 128; also 32 under profile ``"kvq"``.
     seed : int
-        Seed of the two sign vectors of the rotation.
+        Seed of the two sign vectors; only profiles with seeded signs (``"kvq"``) take one other
+        than 0.
+    profile : str or TurboProfile
+        ``"fork@69d8e4be"`` (default: the fork's bytes), ``"fork@69d8e4be+exact"``, ``"kvq"``, or
+        a profile record of one's own (``TurboProfile.from_dict``).
 
     Notes
     -----
-    Not idempotent for every input (like ``TurboQuantMSE``). Re-encoding ``x_hat = gamma R^T c``
-    sees the rotated unit vector ``c / ||c||`` and the norm ``gamma ||c||``. When ``||c||`` lies in
-    ``fixed_point_band`` (from the table's ``invariant_scales``; about (0.46, 1.54), (0.77, 1.23),
-    (0.88, 1.12) for turbo2/3/4 at 128 values) every code is kept and the new scale is
-    ``gamma ||c|| / ||c|| = gamma`` again (float16-exact), so ``encode(decode(e)) == e``. At 128
-    values ``||c||^2`` concentrates at ``1 - block * mse`` and Gaussian vectors stay inside (measured
-    ``||c||`` in 0.92..1.04 for turbo4 over 20000 vectors); very spiky rotated vectors leave it, and
-    at 32 values ordinary Gaussian vectors do too (0.015% for turbo3, 0.15% for turbo4). The law
-    that always holds: decoded norms equal input norms to float16 precision, and blocks inside the
-    band are fixed points.
+    Not idempotent for every input. Re-encoding ``x_hat = gamma R^T c`` sees the rotated unit
+    vector ``c / ||c||`` and the norm ``gamma ||c||``. When ``||c||`` lies in ``fixed_point_band``
+    (from the table's invariant scales) every code is kept and the new scale is ``gamma`` again,
+    so ``encode(decode(e)) == e``; ``||c||^2`` concentrates near ``1 - block * D`` (D the table's
+    distortion) and Gaussian blocks of 128 stay inside, except 2 in 20,000 with the fork's turbo4
+    table, whose band is the narrowest; very spiky rotated vectors leave it, and at 32 values
+    (profile ``kvq``) ordinary Gaussian vectors do too (0.015 % for turbo3, 0.15 % for turbo4).
+    Under float32 arithmetic the decoded values carry float32 rounding, so a block whose ``||c||``
+    lies within about 1e-5 (relative) of the band's ends may also move. The law that always holds:
+    decoded norms equal input norms to fp16 precision.
     """
 
     fmt: str = "turbo3"
     block: int = 128
     seed: int = 0
+    profile: str | TurboProfile = DEFAULT_PROFILE
     name: ClassVar[str] = "turbo_block"
     idempotent: ClassVar[bool] = False
 
     def __post_init__(self):
         if self.fmt not in FORMATS:
             raise ValueError(f"fmt must be one of {sorted(FORMATS)}, got {self.fmt!r}")
-        if isinstance(self.block, bool) or self.block not in (32, 128):
-            raise ValueError(f"block must be 128 or 32, got {self.block!r}")
+        if not isinstance(self.profile, str | TurboProfile):
+            raise TypeError(f"profile must be a profile name or a TurboProfile, got {type(self.profile).__name__}")
+        spec = self.spec
+        if isinstance(self.block, bool) or not isinstance(self.block, int | np.integer) or self.block not in spec.blocks:
+            raise ValueError(f"block must be one of {list(spec.blocks)} under profile {spec.name!r}, got {self.block!r}")
         object.__setattr__(self, "block", int(self.block))
+        spec.layout(self.fmt, self.block)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int | np.integer) or self.seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if spec.signs is not None and self.seed != 0:
+            raise ValueError(f"seed must be 0 under profile {spec.name!r} (its sign vectors are fixed), got {self.seed!r}")
+
+    @cached_property
+    def spec(self) -> TurboProfile:
+        """The resolved profile record."""
+        return self.profile if isinstance(self.profile, TurboProfile) else get_profile(self.profile)
 
     @property
     def dim(self) -> int:
@@ -109,43 +184,77 @@ class TurboBlock(RotatedQuantizer):
     def bits(self) -> int:
         return FORMATS[self.fmt]
 
-    @property
-    def _has_unused(self) -> bool:
-        return self.fmt == "turbo4" and self.block == 128
-
-    @property
-    def _qs_offset(self) -> int:
-        return 4 if self._has_unused else 2
+    @cached_property
+    def block_layout(self):
+        """The profile's ``BlockLayout`` of this format and block size."""
+        return self.spec.layout(self.fmt, self.block)
 
     @property
     def bytes_per_block(self) -> int:
-        """Stored bytes per block (34/50/68 at 128 values, 10/14/18 at 32)."""
-        b = self.block
-        return {"turbo2": 2 + b // 4, "turbo3": 2 + b // 4 + b // 8,
-                "turbo4": self._qs_offset + b // 2}[self.fmt]
+        """Stored bytes per block (34/50/68 at 128 values, 10/14/18 at 32 under ``kvq``)."""
+        return self.block_layout.nbytes
+
+    @property
+    def _has_unused(self) -> bool:  # the gpu/ kernels' view of the kvq layouts
+        return any(f[0] == "zero" for f in self.block_layout.fields)
+
+    @property
+    def _qs_offset(self) -> int:
+        return 2 + sum(f[1] for f in self.block_layout.fields if f[0] == "zero")
 
     @cached_property
     def rot(self) -> HadamardRotation:
-        """``D(s2) (H / sqrt(block)) D(s1)`` with both signs from ``rng(seed, STREAM_MISC)``."""
+        """``D(s2) (H / sqrt(block)) D(s1)``: the profile's signs, or both from ``rng(seed, STREAM_MISC)``."""
+        if self.spec.signs is not None:
+            return HadamardRotation.from_signs(*(np.array(s, dtype=np.float64) for s in self.spec.signs))
         g = rng(self.seed, STREAM_MISC)
         s1 = g.choice(np.array([-1.0, 1.0]), size=self.block)
         s2 = g.choice(np.array([-1.0, 1.0]), size=self.block)
         return HadamardRotation.from_signs(s1, s2)
 
     @cached_property
-    def table(self):
-        """The Lloyd-Max ``Codebook`` of SphereMarginal(block) at 2/3/4 bits."""
-        return codebook(SphereMarginal(self.block), self.bits)
+    def codebook(self) -> Codebook | None:
+        """The Lloyd-Max ``Codebook`` of SphereMarginal(block) when the profile uses it, else None."""
+        return codebook(SphereMarginal(self.block), self.bits) if self.spec.tables is None else None
+
+    @cached_property
+    def _tables(self) -> tuple[np.ndarray, np.ndarray]:
+        fixed = self.spec.table(self.bits)
+        if fixed is not None:
+            return fixed
+        dtype = _F32 if self.spec.arithmetic == "float32" else np.float64
+        return self.codebook.levels.astype(dtype), self.codebook.thresholds.astype(dtype)
+
+    @property
+    def levels(self) -> np.ndarray:
+        """The 2^bits levels, float32 (float64 under float64 arithmetic)."""
+        return self._tables[0]
+
+    @property
+    def thresholds(self) -> np.ndarray:
+        """The 2^bits - 1 thresholds, in the levels' dtype."""
+        return self._tables[1]
 
     @property
     def fixed_point_band(self) -> tuple[float, float]:
         """Interval of ``||c||`` (norm of a block's levels) whose re-encode keeps every code.
 
-        The reciprocal of ``table.invariant_scales()``: re-encoding multiplies every level by
-        ``1 / ||c||``.
+        The reciprocal of the table's invariant scales (``Codebook.invariant_scales``, applied to
+        this profile's levels and thresholds): re-encoding multiplies every level by ``1 / ||c||``.
         """
-        lo, hi = self.table.invariant_scales()
+        tab = SimpleNamespace(levels=self.levels.astype(np.float64), thresholds=self.thresholds.astype(np.float64))
+        lo, hi = Codebook.invariant_scales(tab)
         return 1.0 / hi, 1.0 / lo
+
+    def cells(self, y) -> np.ndarray:
+        """Indices (uint8) of rotated-domain values ``y`` under the profile's table and tie rule.
+
+        Tie "high": the first i with ``y < t_i``, else the last (``searchsorted`` right); tie
+        "low": ``#{t_i < y}``. Under float32 arithmetic ``y`` is compared as float32.
+        """
+        y = np.asarray(y, dtype=self.thresholds.dtype)
+        side = "right" if self.spec.tie == "high" else "left"
+        return np.searchsorted(self.thresholds, y, side=side).astype(np.uint8)
 
     def layout(self, shape):
         if len(shape) < 1 or shape[-1] != self.block:
@@ -168,19 +277,12 @@ class TurboBlock(RotatedQuantizer):
         idx = np.asarray(indices)
         if idx.ndim != 2 or idx.shape[1] != self.block:
             raise ValueError(f"indices must have shape (N, {self.block}), got {idx.shape}")
+        if idx.size and (idx.min() < 0 or idx.max() >= 1 << self.bits):
+            raise ValueError(f"indices must be in 0..{(1 << self.bits) - 1}")
         scales = np.asarray(scales)
         if scales.dtype != np.float16 or scales.shape != idx.shape[:1]:
             raise ValueError(f"scales must be float16 of shape ({idx.shape[0]},)")
-        out = np.zeros((idx.shape[0], self.bytes_per_block), dtype=np.uint8)
-        out[:, 0:2] = scales.astype(_F16).reshape(-1, 1).view(np.uint8)
-        q = self._qs_offset
-        if self.fmt == "turbo4":
-            out[:, q:] = pack_codes(idx, 4)
-        else:
-            out[:, q:q + self.block // 4] = pack_codes(idx & 3, 2)
-            if self.fmt == "turbo3":
-                out[:, q + self.block // 4:] = pack_codes(idx >> 2, 1)
-        return out
+        return self.block_layout.pack(idx.astype(np.uint8), scales)
 
     def unpack(self, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Indices (N, block) uint8 and scales (N,) float16 of blocks (N, bytes_per_block).
@@ -188,23 +290,18 @@ class TurboBlock(RotatedQuantizer):
         Raises
         ------
         ValueError
-            Wrong size, a NaN/Inf or sign-bit-set norm, or a non-zero unused field.
+            Wrong size, a NaN/Inf or sign-bit-set norm (the fork writes +Inf for an fp16
+            overflow), or a non-zero zero field.
         """
         blocks = np.asarray(blocks)
         if blocks.dtype != np.uint8 or blocks.ndim != 2 or blocks.shape[1] != self.bytes_per_block:
             raise ValueError(f"blocks must be uint8 of shape (N, {self.bytes_per_block}): corrupted buffer")
-        scales = np.ascontiguousarray(blocks[:, 0:2]).view(_F16)[:, 0].astype(np.float16)
+        idx, scales, zeros_ok = self.block_layout.unpack(blocks)
         if not np.all(np.isfinite(scales)) or np.any(np.signbit(scales)):
-            raise ValueError(f"{self.fmt} block norm is NaN/Inf or negative: corrupted buffer")
-        if self._has_unused and np.any(blocks[:, 2:4]):
+            raise ValueError(f"{self.fmt} block norm is NaN/Inf or negative (+Inf: an fp16 overflow the fork "
+                             "writes past 65504): corrupted buffer")
+        if not zeros_ok:
             raise ValueError(f"{self.fmt} block unused field is not zero: corrupted buffer")
-        q = self._qs_offset
-        if self.fmt == "turbo4":
-            idx = unpack_codes(blocks[:, q:], 4, self.block)
-        else:
-            idx = unpack_codes(blocks[:, q:q + self.block // 4], 2, self.block)
-            if self.fmt == "turbo3":
-                idx = idx | (unpack_codes(blocks[:, q + self.block // 4:], 1, self.block) << 2)
         return idx, scales
 
     def to_bytes(self, enc: Encoded) -> bytes:
@@ -213,7 +310,7 @@ class TurboBlock(RotatedQuantizer):
         return np.ascontiguousarray(enc.arrays["blocks"]).tobytes()
 
     def from_bytes(self, raw, shape) -> Encoded:
-        """The ``Encoded`` of a tensor of ``shape`` (..., block) from its raw blocks.
+        """The ``Encoded`` of a tensor of ``shape`` (..., block) from its raw blocks (e.g. the fork's).
 
         Raises
         ------
@@ -234,20 +331,68 @@ class TurboBlock(RotatedQuantizer):
         return enc
 
     # --- quantizer ------------------------------------------------------------------------------
+    def _encode32(self, flat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The float32 rule (module Notes) on rows (N, block): indices uint8, gamma float32."""
+        x = flat.astype(_F32)
+        tiny = _F32(self.spec.tiny_norm)
+        s1, s2 = (np.array(s, dtype=_F32) for s in self.spec.signs or (self.rot.signs1, self.rot.signs2))
+        norm = np.sqrt(_sum_squares32(x))
+        big = norm > tiny
+        inv = np.divide(_F32(1), norm, out=np.zeros_like(norm), where=big)
+        u = _butterflies32(x * inv[:, None] * s1) * (_F32(self.spec.rotation_scale) * s2)
+        idx = self.cells(u)
+        recon = np.sqrt(_sum_squares32(self.levels[idx]))
+        gamma = np.where(recon > tiny, norm / np.where(recon > tiny, recon, _F32(1)), norm)
+        return idx, gamma
+
     def encode(self, x) -> Encoded:
-        """Encode ``x`` of shape (..., block) into blocks uint8 (..., bytes_per_block)."""
+        """Encode ``x`` of shape (..., block) into blocks uint8 (..., bytes_per_block).
+
+        Raises
+        ------
+        ValueError
+            A block's scale ``||x|| / ||c||`` past the fp16 range (the fork would write +Inf).
+        """
         x = as_array("x", x, dim=self.block)
-        # TurboQuant's rule with norm correction (shared with TurboQuantMSE: same norm, same order)
-        idx, scale = quantize_rotated(np.ascontiguousarray(x.reshape(-1, self.block)), self.rot, self.table, True)
-        blocks = self.pack(idx, to_fp("norms", scale, np.dtype(np.float16)))
+        flat = np.ascontiguousarray(x.reshape(-1, self.block))
+        if self.spec.arithmetic == "float32":
+            idx, gamma = self._encode32(flat)
+        else:  # TurboQuant's rule with norm correction, shared with TurboQuantMSE and the gpu/ kernels
+            idx, gamma = quantize_rotated(flat, self.rot, SimpleNamespace(levels=self.levels,
+                                                                         thresholds=self.thresholds), True)
+        with np.errstate(over="ignore"):
+            scales = gamma.astype(np.float16)
+        if not np.all(np.isfinite(scales)):
+            rows = np.flatnonzero(~np.isfinite(scales))
+            raise ValueError(f"x: the {self.fmt} block scale ||x|| / ||c|| of {rows.size} vector(s) (first: "
+                             f"row {rows[0]}, {float(gamma[rows[0]]):.6g}) overflows float16 (max 65504), "
+                             "where the fork would store +Inf; scale the input down")
+        blocks = self.block_layout.pack(idx, scales)
         return self._make(x.shape, {"blocks": blocks.reshape(x.shape[:-1] + (self.bytes_per_block,))})
 
     def _parts(self, enc: Encoded):
-        """(c in the rotated domain (N, block) float64, scales (N,) float64) after validation."""
+        """(indices (N, block) uint8, scales (N,) float16) after validation."""
         self._check(enc)
-        idx, scales = self.unpack(enc.arrays["blocks"].reshape(-1, self.bytes_per_block))
-        return self.table.levels[idx], scales.astype(np.float64)
+        return self.unpack(enc.arrays["blocks"].reshape(-1, self.bytes_per_block))
 
     def _rotated(self, enc: Encoded) -> np.ndarray:
-        chat, scale = self._parts(enc)
-        return chat * scale[:, None]
+        idx, scales = self._parts(enc)
+        if self.spec.arithmetic == "float32":
+            return (self.levels[idx] * scales.astype(_F32)[:, None]).astype(np.float64)
+        return self.levels[idx] * scales.astype(np.float64)[:, None]
+
+    def decode_rotated(self, enc: Encoded) -> np.ndarray:
+        """``levels[idx] * gamma`` in the rotated domain (the fork's dequantize), float32, shape ``enc.shape``.
+
+        Float32 products under float32 arithmetic (bit-exact with the fork); float64 rounded to
+        float32 otherwise.
+        """
+        return self._rotated(enc).astype(_F32).reshape(enc.shape)
+
+    def decode(self, enc: Encoded) -> np.ndarray:
+        """``x_hat = gamma R^T c``, float32, shape ``enc.shape`` (the inverse rule of the module Notes)."""
+        if self.spec.arithmetic == "float64":
+            return super().decode(enc)
+        y = self.decode_rotated(enc).reshape(-1, self.block)
+        s1, s2 = (np.array(s, dtype=_F32) for s in self.spec.signs or (self.rot.signs1, self.rot.signs2))
+        return (_butterflies32(y * s2) * (_F32(self.spec.rotation_scale) * s1)).reshape(enc.shape)

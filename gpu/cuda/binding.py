@@ -402,7 +402,7 @@ def quantize_turbo_block(x, quantizer: TurboBlock, table: DeviceTable | None = N
     ----------
     x : torch.Tensor, float16 or float32, shape (..., block)
     quantizer : kvq_ref.turbo_block.TurboBlock
-        Format, block size (32 or 128) and the seed of its two sign vectors.
+        Profile ``"kvq"``: format, block size (32 or 128) and the seed of its two sign vectors.
     table : gpu.tables.DeviceTable, optional
         Default: the shipped SphereMarginal(block) table at the format's bits.
 
@@ -414,6 +414,9 @@ def quantize_turbo_block(x, quantizer: TurboBlock, table: DeviceTable | None = N
 
     if not isinstance(quantizer, TurboBlock):
         raise TypeError(f"quantizer must be a kvq_ref TurboBlock, got {type(quantizer).__name__}")
+    if quantizer.spec.arithmetic != "float64" or quantizer.spec.tables is not None:
+        raise ValueError(f"the kernels implement TurboBlock profile 'kvq' (float64 rule, Lloyd-Max tables), "
+                         f"not profile {quantizer.spec.name!r}")
     d, bits = quantizer.block, FORMATS[quantizer.fmt]
     x = _input(x, d)
     tab = _table(table, d, bits, x.device)

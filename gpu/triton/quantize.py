@@ -258,6 +258,9 @@ def _launch(kernel: str, q, table, block_rows: int | None, *tensors) -> None:
 def _check_table(q, table, kind: type) -> None:
     if not isinstance(q, kind):
         raise TypeError(f"q must be a {kind.__name__}, got {type(q).__name__}")
+    if kind is TurboBlock and (q.spec.arithmetic != "float64" or q.spec.tables is not None):
+        raise ValueError(f"the kernels implement TurboBlock profile 'kvq' (float64 rule, Lloyd-Max tables), "
+                         f"not profile {q.spec.name!r}")
     if kind is TurboQuantMSE and q.rotation != "hadamard":
         raise ValueError(f"the Triton kernels implement rotation='hadamard', q has {q.rotation!r}")
     if not isinstance(table, DeviceTable):
@@ -391,7 +394,7 @@ def quantize_turbo_block(x: torch.Tensor, q: TurboBlock, table: DeviceTable,
     ----------
     x : torch.Tensor, shape (..., q.block)
     q : TurboBlock
-        Any format, 128- or 32-value blocks.
+        Profile ``"kvq"``, any format, 128- or 32-value blocks.
     table : DeviceTable
         ``load_device_table(q.block, q.bits)``.
     block_rows : int, optional

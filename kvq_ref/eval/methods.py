@@ -153,9 +153,11 @@ def _split(rate):
 
 
 def _turbo(fmt):
+    # profile "kvq" (seeded per-head signs, exact tables; 32-value blocks for head_dim 64), the
+    # setting the published turbo3/turbo4 results were measured with, not the fork's default bytes
     def make(layer, head, role, d, tables):
         block = 128 if d % 128 == 0 else 32
-        inner = TurboBlock(fmt, block, seed=_seed(layer, head, role))
+        inner = TurboBlock(fmt, block, seed=_seed(layer, head, role), profile="kvq")
         return inner if d == block else Blocked(inner, d)
     return make
 

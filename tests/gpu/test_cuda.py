@@ -136,7 +136,7 @@ def test_quantize_mse_empty_and_overflow(device):
 @pytest.mark.parametrize("fmt", ["turbo2", "turbo3", "turbo4"])
 @pytest.mark.parametrize("block", [128, 32])
 def test_turbo_blocks_bit_exact(device, fmt, block):
-    tb = TurboBlock(fmt, block, seed=5)
+    tb = TurboBlock(fmt, block, seed=5, profile="kvq")
     for dtype in (torch.float16, torch.float32):
         x = _rows(13, block, block + len(fmt), dtype)
         out = quantize_turbo_block(x.to(device), tb)
@@ -225,9 +225,9 @@ def test_mismatched_tables_refused_before_launch(no_launch):
     with pytest.raises(TableMismatchError, match="dim=64"):
         quantize_mse(x, TurboQuantMSE(128, 3), table=load_device_table(64, 3))
     with pytest.raises(TableMismatchError):
-        quantize_turbo_block(x, TurboBlock("turbo3", 128), table=load_device_table(128, 4))
+        quantize_turbo_block(x, TurboBlock("turbo3", 128, profile="kvq"), table=load_device_table(128, 4))
     with pytest.raises(TableMismatchError):
-        quantize_turbo_block(x[:, :32], TurboBlock("turbo2", 32), table=load_device_table(128, 2))
+        quantize_turbo_block(x[:, :32], TurboBlock("turbo2", 32, profile="kvq"), table=load_device_table(128, 2))
     args = _attn_inputs()
     with pytest.raises(TableMismatchError, match="bits=2"):
         decode_attention(**args, k_table=load_device_table(64, 3))
@@ -254,6 +254,9 @@ def test_bad_arguments_refused_before_launch(no_launch):
         quantize_mse(torch.zeros((2, 576)), TurboQuantMSE(576, 2))
     with pytest.raises(TypeError, match="TurboBlock"):
         quantize_turbo_block(torch.zeros((2, 128)), q)
+    for profile in ("fork@69d8e4be", "fork@69d8e4be+exact"):  # float32 rules the kernels do not implement
+        with pytest.raises(ValueError, match="profile 'kvq'"):
+            quantize_turbo_block(torch.zeros((2, 128)), TurboBlock("turbo3", profile=profile))
     good = _attn_inputs()
     for change, err, msg in [
         ({"k_codes": torch.zeros((2, 6, 24), dtype=torch.uint8)}, ValueError, r"k_codes must have shape \(2, 6, 16\)"),
@@ -292,5 +295,5 @@ def test_launch_functions_refuse_bad_sizes(device):
                                     None, None, None, 64, 1.0, None, None) == -1  # no tokens
     assert b"refused before launch" in lib.kvq_cuda_error_string(-1)
     for fmt, block in [(f, b) for f in ("turbo2", "turbo3", "turbo4") for b in (32, 128)]:
-        tb = TurboBlock(fmt, block)
+        tb = TurboBlock(fmt, block, profile="kvq")
         assert lib.kvq_turbo_block_bytes_of(block, tb.bits) == tb.bytes_per_block

@@ -161,7 +161,7 @@ def test_mse_float32_inputs_exact_away_from_thresholds(d, bits):
 @pytest.mark.parametrize("fmt", ["turbo2", "turbo3", "turbo4"])
 @pytest.mark.parametrize("block", [128, 32])
 def test_turbo_blocks_fp16_byte_exact(fmt, block):
-    q = TurboBlock(fmt, block, seed=5)
+    q = TurboBlock(fmt, block, seed=5, profile="kvq")
     x = data(97 if block == 32 else 54, block, seed=block + q.bits, zero_rows=(1,))
     blocks = quantize_turbo_block(x, q, table(block, q.bits))
     ref = q.encode(x.cpu()).arrays["blocks"]
@@ -178,7 +178,7 @@ def test_turbo_blocks_fp16_byte_exact(fmt, block):
        n=st.sampled_from([1, 54, 97]), seed=st.integers(0, 2**31 - 1), qseed=st.integers(0, 1000),
        log_scale=st.floats(-6.0, 4.0), f32=st.booleans())
 def test_turbo_blocks_byte_exact_property(fmt, block, n, seed, qseed, log_scale, f32):
-    q = TurboBlock(fmt, block, seed=qseed)
+    q = TurboBlock(fmt, block, seed=qseed, profile="kvq")
     x = data(n, block, seed, dtype=torch.float32 if f32 else torch.float16, scale=2.0**log_scale)
     np.testing.assert_array_equal(np_(quantize_turbo_block(x, q, table(block, q.bits))),
                                   q.encode(x.cpu()).arrays["blocks"])
@@ -215,7 +215,7 @@ def test_dequantize_refuses_corrupted_buffers():
         dequantize_mse(packed, bad, q, table(64, 3))
     with pytest.raises(ValueError, match="norms must be"):
         dequantize_mse(packed, norms.float(), q, table(64, 3))
-    qb = TurboBlock("turbo4", 128)
+    qb = TurboBlock("turbo4", 128, profile="kvq")
     blocks = quantize_turbo_block(data(3, 128, seed=3), qb, table(128, 4))
     neg = blocks.clone()
     neg[0, 1] |= 0x80
@@ -237,7 +237,7 @@ def test_norm_overflow_refused_like_kvq_ref():
         quantize_mse(x, q, table(256, 2))
     packed, norms = quantize_mse(x, TurboQuantMSE(256, 2, norm_dtype="float32"), table(256, 2))
     assert np.isclose(float(norms[0]), 80000.0)
-    qb = TurboBlock("turbo2", 128)
+    qb = TurboBlock("turbo2", 128, profile="kvq")
     xb = torch.full((1, 128), 8000.0, dtype=torch.float16, device=DEV)
     with pytest.raises(ValueError, match="overflow"):
         qb.encode(xb.cpu())
@@ -270,7 +270,7 @@ def test_mismatched_table_refused_before_launch(no_launch):
             quantize_mse(x, q, wrong)
         with pytest.raises(TableMismatchError):
             dequantize_mse(packed, norms, q, wrong)
-    qb = TurboBlock("turbo3", 128)
+    qb = TurboBlock("turbo3", 128, profile="kvq")
     for wrong in (table(128, 4), table(64, 3)):
         with pytest.raises(TableMismatchError):
             quantize_turbo_block(x, qb, wrong)
@@ -295,13 +295,19 @@ def test_bad_inputs_refused_before_launch(no_launch):
     with pytest.raises(ValueError, match="bytes per row"):
         dequantize_mse(torch.zeros((2, 15), dtype=torch.uint8, device=DEV), torch.ones(2, dtype=torch.float16), q, t)
     with pytest.raises(ValueError, match="bytes per block"):
-        dequantize_turbo_block(torch.zeros((2, 49), dtype=torch.uint8, device=DEV), TurboBlock("turbo3"), table(128, 3))
+        dequantize_turbo_block(torch.zeros((2, 49), dtype=torch.uint8, device=DEV), TurboBlock("turbo3", profile="kvq"), table(128, 3))
+    for profile in ("fork@69d8e4be", "fork@69d8e4be+exact"):  # float32 rules the kernels do not implement
+        with pytest.raises(ValueError, match="profile 'kvq'"):
+            quantize_turbo_block(torch.zeros((2, 128), device=DEV), TurboBlock("turbo3", profile=profile), table(128, 3))
+        with pytest.raises(ValueError, match="profile 'kvq'"):
+            dequantize_turbo_block(torch.zeros((2, 50), dtype=torch.uint8, device=DEV), TurboBlock("turbo3", profile=profile),
+                                   table(128, 3))
 
 
 # --- Hopper (sm_90) compile check: registers and spills --------------------------------------------------
 def test_hopper_compile_every_kernel(capsys):
     specs = [("quantize", TurboQuantMSE(96, 3, norm_correction=True)), ("dequantize", TurboQuantMSE(96, 3)),
-             ("quantize", TurboBlock("turbo3", 128)), ("dequantize", TurboBlock("turbo3", 128))]
+             ("quantize", TurboBlock("turbo3", 128, profile="kvq")), ("dequantize", TurboBlock("turbo3", 128, profile="kvq"))]
     reports = hopper_compile(specs)
     with capsys.disabled():
         print()
@@ -324,7 +330,7 @@ def test_on_gpu_many_rows():
         err, size = rel_row_err(dequantize_mse(packed, norms, q, table(d, bits)), q.decode(ref))
         assert np.all(err <= (math.log2(q.rot.block) + 6) * U32 * size)
     for fmt in ("turbo2", "turbo3", "turbo4"):
-        q = TurboBlock(fmt, 128)
+        q = TurboBlock(fmt, 128, profile="kvq")
         x = data(4099, 128, seed=1)
         np.testing.assert_array_equal(np_(quantize_turbo_block(x, q, table(128, q.bits))),
                                       q.encode(x.cpu()).arrays["blocks"])

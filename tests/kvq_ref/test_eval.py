@@ -25,7 +25,7 @@ from kvq_ref.eval.plot import (comparison_table, load_results, markdown_table, p
 @pytest.mark.parametrize("method", [TurboQuantMSE(64, 3), TurboQuantProd(64, 3), PolarQuant(64), QuaRot(64, 2, group=64),
                                     KIVI(64, 2, "key", group=32, residual=32), KIVI(64, 2, "value", 32, 32),
                                     QJL(64, "key", m=128, m_outlier=16), QJL(64, "value"), Identity(64),
-                                    Blocked(TurboBlock("turbo3", 32), 64)], ids=lambda m: m.name)
+                                    Blocked(TurboBlock("turbo3", 32, profile="kvq"), 64)], ids=lambda m: m.name)
 def test_chunk_encodings_concatenate(method):
     """The cache encodes tokens in chunks of 32: concatenating chunk encodings equals encoding all."""
     x = np.random.default_rng(0).standard_normal((96, 64))
@@ -36,13 +36,13 @@ def test_chunk_encodings_concatenate(method):
 
 
 def test_blocked_turbo_and_identity():
-    b = Blocked(TurboBlock("turbo4", 32), 64)
+    b = Blocked(TurboBlock("turbo4", 32, profile="kvq"), 64)
     x = np.random.default_rng(1).standard_normal((5, 64))
     enc = b.encode(x)
     assert enc.bits_per_element == 4.5 and b.decode(enc).shape == (5, 64)
     assert np.array_equal(Identity(64).decode(Identity(64).encode(x)), x.astype(np.float32))
     with pytest.raises(ValueError, match="block size 32 must divide dim 48"):
-        Blocked(TurboBlock("turbo3", 32), 48)
+        Blocked(TurboBlock("turbo3", 32, profile="kvq"), 48)
 
 
 def test_method_registry():
