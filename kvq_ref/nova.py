@@ -16,9 +16,24 @@ mapped once to ``q_m = q S^-1 V`` and ``q . k_hat = q_m . c_hat + q . mu_k`` in 
 ``T_j[i] = q_m[G_j] . centroid_j[i]``); value sums are formed in coefficient space (kernels: as
 per-group histograms of ``p_t gamma_t`` over codes times the centroids) and rotated back once. A zero coefficient vector has gain 0 and reconstructs to the mean.
 
-OSCAR: ``y = x R`` with the calibrated ``R = U H P_br``, per-token asymmetric INT2 over groups of
-128 channels with the range clipped to the group's ``clip``-quantile (0.96 keys, 0.92 values; linear
-interpolation) and the float16 rule of ``kvq_ref.uniform``; decode ``y_hat R^T``: ``2 + 32/128``.
+OSCAR (official behaviour: ``../shared/interop/oscar/facts.json``, OSCAR commit 473ff3f; the defaults
+reproduce it bit for bit given the rotated rows, ``tests/interop/test_oscar.py``): ``y = x R`` with the
+calibrated ``R = U H P_br``, computed as the release does in bfloat16 (``rows="bfloat16"``: ``y =
+bf16(bf16(x) bf16(R))``); each row is clipped symmetrically at the order statistic of ``|y|`` with
+0-based index ``c = int(clip * d)`` (``clip`` 0.96 keys, 0.92 values: c = 122, 117 at d = 128; the
+decode-flush kernel's float32 bisection with ``threshold="bisect"``), then quantized per group of
+128 channels by ``kvq_ref.official.oscar_quantize`` (float32 scale and float zero point, round half
+up) and packed in OSCAR's strided byte order: ``2 + 64/128 = 2.5`` bits per element before the
+16-bit band. Decode ``y_hat R^T`` (float64 R).
+
+Named deviations (effects measured by ``benchmarks/fidelity.py``, ``benchmarks/results/fidelity.json``):
+
+* ``clip_mode="quantile"``: our earlier clip, the range ``[quantile(1 - clip), quantile(clip)]`` of
+  each group (numpy's linear interpolation), asymmetric and interpolated.
+* ``rule="uniform"``: the float16 scale and minimum of ``kvq_ref.uniform`` (round half up with its
+  margin steps) and ``kvq_ref.packing``'s byte order: ``2 + 32/128 = 2.25`` bits per element, the
+  rate the OSCAR paper's 2.28 counts.
+* ``rows="float64"``: the rotation in float64, no bfloat16 rounding of x, R or y.
 """
 
 from __future__ import annotations
@@ -33,9 +48,11 @@ from numba import njit, prange
 from codebooks.nova import NovaHead
 
 from .common import Encoded, Quantizer, RotatedQuantizer, as_array, fp_dtype, row_norms, to_fp
+from .official import clip_index, oscar_dequantize, oscar_quantize, oscar_threshold, pack_strided, to_bf16, \
+    unpack_strided
 from .packing import pack_codes, packed_size, unpack_codes
 from .rotations import MatrixRotation
-from .uniform import dequantize, group_quantile_range, quantize_range
+from .uniform import dequantize, group_quantile_range, quantize, quantize_range
 
 __all__ = ["NovaKV", "Oscar"]
 
@@ -189,11 +206,16 @@ class Oscar(RotatedQuantizer):
         Holds the calibrated rotations.
     role : {"key", "value"}
     bits : int
-        1..8 (2 in OSCAR).
+        1..8 (2 in OSCAR; ``rule="official"`` needs 1, 2, 4 or 8 for its byte order).
     group : int
         Channels per group (128; capped at d).
     clip : float, optional
-        Quantile of each group's range (default 0.96 for keys, 0.92 for values).
+        Clip ratio in (0, 1] (default 0.96 for keys, 0.92 for values; 1 keeps the largest ``|y|``).
+    clip_mode : {"order", "quantile"}
+    threshold : {"sort", "bisect"}
+        How ``clip_mode="order"`` finds the order statistic (module Notes).
+    rule : {"official", "uniform"}
+    rows : {"bfloat16", "float64"}
 
     Notes
     -----
@@ -205,6 +227,10 @@ class Oscar(RotatedQuantizer):
     bits: int = 2
     group: int = 128
     clip: float | None = None
+    clip_mode: str = "order"
+    threshold: str = "sort"
+    rule: str = "official"
+    rows: str = "bfloat16"
     name: ClassVar[str] = "oscar"
     idempotent: ClassVar[bool] = False
 
@@ -220,7 +246,18 @@ class Oscar(RotatedQuantizer):
             raise ValueError(f"group {self.g} must divide the head dimension {self.dim}")
         if self.clip is None:
             object.__setattr__(self, "clip", 0.96 if self.role == "key" else 0.92)
-        group_quantile_range(np.zeros((1, 2)), 2, self.clip)  # validates clip
+        for name, value, allowed in (("clip_mode", self.clip_mode, ("order", "quantile")),
+                                     ("threshold", self.threshold, ("sort", "bisect")),
+                                     ("rule", self.rule, ("official", "uniform")),
+                                     ("rows", self.rows, ("bfloat16", "float64"))):
+            if value not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+        if self.clip_mode == "quantile":
+            group_quantile_range(np.zeros((1, 2)), 2, self.clip)  # validates clip
+        else:
+            clip_index(self.clip, self.dim)
+        if self.rule == "official" and (8 % self.bits or self.dim % (8 // self.bits)):
+            raise ValueError(f"rule='official' packs whole codes per byte: bits in 1, 2, 4, 8, got {self.bits}")
 
     @property
     def dim(self) -> int:
@@ -231,29 +268,61 @@ class Oscar(RotatedQuantizer):
         return min(self.group, self.dim)
 
     @cached_property
+    def matrix(self) -> np.ndarray:
+        """R (d, d), float64: rotated rows are ``y = x R``."""
+        return self.head.oscar_key if self.role == "key" else self.head.oscar_value
+
+    @cached_property
     def rot(self) -> MatrixRotation:
         # y = x R  <=>  apply(x) = x M^T with M = R^T
-        return MatrixRotation((self.head.oscar_key if self.role == "key" else self.head.oscar_value).T)
+        return MatrixRotation(self.matrix.T)
+
+    def rotate(self, x: np.ndarray) -> np.ndarray:
+        """The rows the quantizer sees, (N, d) float64 (bfloat16 values with ``rows="bfloat16"``)."""
+        if self.rows == "float64":
+            return self.rot.apply(x)
+        return to_bf16(to_bf16(x).astype(np.float64) @ to_bf16(self.matrix).astype(np.float64)).astype(np.float64)
+
+    def clipped(self, y: np.ndarray) -> np.ndarray:
+        """Rows (N, d) clipped as ``clip_mode`` says (float64; ``"order"`` in float32 as OSCAR)."""
+        if self.clip_mode == "quantile":
+            lo, hi = group_quantile_range(y, self.g, self.clip)
+            n = y.shape[-1]
+            return np.clip(y, np.repeat(lo, self.g, axis=-1)[..., :n], np.repeat(hi, self.g, axis=-1)[..., :n])
+        t = oscar_threshold(y, clip_index(self.clip, self.dim), self.threshold).astype(np.float64)[:, None]
+        return np.minimum(np.maximum(y.astype(np.float32).astype(np.float64), -t), t)
 
     def layout(self, shape):
         lead = tuple(shape[:-1])
         n_groups = self.dim // self.g
+        side = "float32" if self.rule == "official" else "float16"
+        names = ("scales", "zeros") if self.rule == "official" else ("scales", "minima")
         return {"codes": (lead + (packed_size(self.dim, self.bits),), np.dtype(np.uint8)),
-                "scales": (lead + (n_groups,), fp_dtype("float16")),
-                "minima": (lead + (n_groups,), fp_dtype("float16"))}
+                **{nm: (lead + (n_groups,), fp_dtype(side)) for nm in names}}
 
     def encode(self, x) -> Encoded:
         x = as_array("x", x, dim=self.dim)
-        y = self.rot.apply(x.reshape(-1, self.dim))
-        lo, hi = group_quantile_range(y, self.g, self.clip)
-        codes, scales, minima = quantize_range(y, lo, hi, self.bits, self.g)
+        y = self.rotate(x.reshape(-1, self.dim))
         lead = x.shape[:-1]
-        return self._make(x.shape, {"codes": pack_codes(codes, self.bits).reshape(lead + (-1,)),
-                                    "scales": scales.reshape(lead + (-1,)), "minima": minima.reshape(lead + (-1,))})
+        if self.rule == "official":
+            codes, scales, zeros = oscar_quantize(self.clipped(y), self.bits, self.g)
+            arrays = {"codes": pack_strided(codes, self.bits), "scales": scales, "zeros": zeros}
+        elif self.clip_mode == "quantile":
+            codes, scales, minima = quantize_range(y, *group_quantile_range(y, self.g, self.clip), self.bits, self.g)
+            arrays = {"codes": pack_codes(codes, self.bits), "scales": scales, "minima": minima}
+        else:
+            codes, scales, minima = quantize(self.clipped(y), self.bits, self.g)
+            arrays = {"codes": pack_codes(codes, self.bits), "scales": scales, "minima": minima}
+        return self._make(x.shape, {k: v.reshape(lead + (-1,)) for k, v in arrays.items()})
 
     def _rotated(self, enc: Encoded) -> np.ndarray:
         self._check(enc)
         a = enc.arrays
-        codes = unpack_codes(a["codes"].reshape(-1, a["codes"].shape[-1]), self.bits, self.dim)
         n_groups = self.dim // self.g
+        packed = a["codes"].reshape(-1, a["codes"].shape[-1])
+        if self.rule == "official":
+            codes = unpack_strided(packed, self.bits)
+            return oscar_dequantize(codes, a["scales"].reshape(-1, n_groups), a["zeros"].reshape(-1, n_groups),
+                                    self.g).astype(np.float64)
+        codes = unpack_codes(packed, self.bits, self.dim)
         return dequantize(codes, a["scales"].reshape(-1, n_groups), a["minima"].reshape(-1, n_groups), self.g)
