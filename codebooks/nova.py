@@ -153,7 +153,7 @@ def _validate(hd: NovaHead, path, name: str) -> None:
 
 
 def calibrate(sequences: Iterable, d: int, g: int = 4, bits: int = 2, iterations: int = 25, seed: int = 0,
-              grouping: str = "swap", max_train_tokens: int = 32768, scale: float | None = None):
+              grouping: str = "round_robin", max_train_tokens: int = 32768, scale: float | None = None):
     """Calibrate NOVA-KV and OSCAR from captured attention inputs.
 
     Parameters
@@ -168,7 +168,9 @@ def calibrate(sequences: Iterable, d: int, g: int = 4, bits: int = 2, iterations
     iterations, seed : int
         k-means settings (deterministic).
     grouping : str
-        Equal-volume grouping heuristic (see ``codebooks.grouping``).
+        Equal-volume grouping heuristic (see ``codebooks.grouping``): ``"round_robin"``, the stratified
+        grouping of NOVA-KV's release (default); ``"swap"`` refines greedy groups by pairwise swaps
+        (a smaller grouping gap; its effect is in benchmarks/results/fidelity.json).
     max_train_tokens : int
         Tokens per head used to train the codebooks (the first ones, in sequence order).
     scale : float, optional

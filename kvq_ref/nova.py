@@ -8,8 +8,11 @@ NOVA-KV, role "key": ``c = (k - mu_k) S V`` (generalized Parseval: squared error
 error), gain ``gamma = rms(c)`` stored as float16 and shape ``c / gamma16``; each equal-volume group of
 ``g`` coefficients is replaced by the index of its nearest centroid (squared Euclidean distance,
 ties to the lower index; kernels must match) in that group's codebook of ``2^(bits g)`` entries.
-Stored per token: the indices (``bits g`` bits each, packed) and the gain: ``bits + 16/d`` bits per
-element (2.125 at d=128). Role "value": the same on the score-weighted KLT coefficients with a
+Stored per token: the indices (``bits g`` bits each, packed) and the gain, float32 as NOVA-KV's
+release stores it: ``bits + 32/d`` bits per element (2.25 at d=128); ``gain_dtype="float16"`` (our
+earlier default) stores ``bits + 16/d`` (2.125). The release's equal-volume grouping is the stratified
+round-robin by rank, ``codebooks.nova.calibrate``'s default (``grouping="swap"``, our refinement, is
+an option); with both, our key indices equal the release's end to end. Role "value": the same on the score-weighted KLT coefficients with a
 float32 gain (``bits + 32/d``, 2.25). Attention never inverse-transforms the cache: a query is
 mapped once to ``q_m = q S^-1 V`` and ``q . k_hat = q_m . c_hat + q . mu_k`` in coefficient space
 (kernels form it as ``gamma * sum_j T_j[code_j]`` with per-group tables
@@ -94,15 +97,20 @@ class NovaKV(Quantizer):
     head : codebooks.nova.NovaHead
         Calibrated transforms, groups and codebooks.
     role : {"key", "value"}
+    gain_dtype : {"float32", "float16"}
+        Storage of the per-token gain (float32 as the release; values always use float32).
 
     Notes
     -----
+    NOVA-KV's release quantizes values with OSCAR's rotation and INT2, not with VQ; the value role here
+    is our VQ extension of the key method (the official value path is not reproduced yet).
     Not idempotent: a decoded token's coefficients are ``gamma16 * centroid`` per group, whose RMS
     is generally not ``gamma16``, so re-encoding rescales the shape and can move an index.
     """
 
     head: NovaHead
     role: str = "key"
+    gain_dtype: str = "float32"
     name: ClassVar[str] = "nova_kv"
     idempotent: ClassVar[bool] = False
 
@@ -110,6 +118,9 @@ class NovaKV(Quantizer):
         if not isinstance(self.head, NovaHead):
             raise TypeError(f"head must be a codebooks.nova.NovaHead, got {type(self.head).__name__}")
         _check_role(self.role)
+        fp_dtype(self.gain_dtype)
+        if self.role == "value" and self.gain_dtype != "float32":
+            raise ValueError(f"value gains are stored as float32, got gain_dtype={self.gain_dtype!r}")
 
     @property
     def dim(self) -> int:
@@ -119,7 +130,7 @@ class NovaKV(Quantizer):
     def _tables(self):
         h = self.head
         if self.role == "key":
-            return h.key, h.key_groups, h.key_centroids.astype(np.float64), np.dtype(np.float16)
+            return h.key, h.key_groups, h.key_centroids.astype(np.float64), fp_dtype(self.gain_dtype)
         return h.value, h.value_groups, h.value_centroids.astype(np.float64), np.dtype(np.float32)
 
     @property

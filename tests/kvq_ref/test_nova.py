@@ -66,18 +66,23 @@ def test_logit_error_is_coefficient_error(model, held_out):
 def test_rates_and_band_accounting(model):
     _, m = model
     x = np.random.default_rng(3).standard_normal((64, D))
-    assert NovaKV(m.head(0, 0), "key").encode(x).bits_per_element == 2 + 16 / D
+    assert NovaKV(m.head(0, 0), "key").encode(x).bits_per_element == 2 + 32 / D  # float32 gain, as released
+    assert NovaKV(m.head(0, 0), "key", gain_dtype="float16").encode(x).bits_per_element == 2 + 16 / D
     assert NovaKV(m.head(0, 0), "value").encode(x).bits_per_element == 2 + 32 / D
-    assert Oscar(m.head(0, 0), "key").encode(x).bits_per_element == 2 + 32 / D  # one group of D channels
+    # one group of D channels: float32 scale and zero (OSCAR's release script), float16 ones (rule="uniform")
+    assert Oscar(m.head(0, 0), "key").encode(x).bits_per_element == 2 + 64 / D
+    assert Oscar(m.head(0, 0), "key", rule="uniform").encode(x).bits_per_element == 2 + 32 / D
     # REFERENCE: 2.22 (NOVA-KV) and 2.28 (OSCAR) at 128K tokens with a 16-bit band of 64 + 256 tokens and
-    # d = 128: per-token rates from the stored layout, band tokens at 16 bits
+    # d = 128, counting 16-bit gains and scales (gain_dtype="float16", rule="uniform"): per-token rates
+    # from the stored layout, band tokens at 16 bits
     n, band = 131072, 64 + 256
     nova = (16 * band + (n - band) * ((2 + 16 / 128) + (2 + 32 / 128)) / 2) / n
     oscar = (16 * band + (n - band) * (2 + 32 / 128)) / n
     assert round(nova, 2) == 2.22 and round(oscar, 2) == 2.28
     # and QuantizedKV's stored accounting follows the same formula
     y = np.random.default_rng(4).standard_normal((1000, D))
-    cache = QuantizedKV.build(y, y, NovaKV(m.head(0, 0), "key"), NovaKV(m.head(0, 0), "value"), sink=64, window=256)
+    cache = QuantizedKV.build(y, y, NovaKV(m.head(0, 0), "key", gain_dtype="float16"), NovaKV(m.head(0, 0), "value"),
+                              sink=64, window=256)
     bits = cache.bits_per_element()
     expected = (16 * band + (1000 - band) * ((2 + 16 / D) + (2 + 32 / D)) / 2) / 1000
     assert bits["total"] == pytest.approx(expected, rel=1e-12)
@@ -130,7 +135,13 @@ def test_validation(model):
         NovaKV(m.head(0, 0), "key").decode(Encoded(enc.method, enc.config, enc.shape,
                                                    {"codes": enc.arrays["codes"]}))
     with pytest.raises(ValueError, match="clip quantile must be"):
-        Oscar(m.head(0, 0), clip=0.3)
+        Oscar(m.head(0, 0), clip=0.3, clip_mode="quantile")
+    with pytest.raises(ValueError, match="clip ratio must be"):
+        Oscar(m.head(0, 0), clip=0.0)
+    with pytest.raises(ValueError, match="rule"):
+        Oscar(m.head(0, 0), rule="int2")
+    with pytest.raises(ValueError, match="value gains"):
+        NovaKV(m.head(0, 0), "value", gain_dtype="float16")
     with pytest.raises(ValueError, match="need integer bits, g >= 1"):
         calibrate([{}], D, g=3)
     with pytest.raises(ValueError, match=r"saw 100 key tokens .* codebooks \(2\^\(bits\*g\) = 256 centroids\) need at least 256"):
@@ -154,3 +165,21 @@ def test_cli_calibrate(tmp_path, capsys):
     (tmp_path / "junk.safetensors").write_bytes(b"junk")
     assert codebooks_main(["calibrate", "--qkv", str(tmp_path / "junk.safetensors"), "--out", str(tmp_path / "e")]) == 2
     assert "not a readable safetensors file" in capsys.readouterr().err
+
+
+def test_oscar_clip_is_symmetric_at_the_order_statistic(model):
+    """Default clip: every row at +-(the (c+1)-th smallest |y|), c = int(0.96 d); quantile mode differs."""
+    _, m = model
+    q = Oscar(m.head(0, 0), "key", rows="float64")
+    x = np.random.default_rng(8).standard_normal((40, D)) * 2
+    y = q.rotate(x)
+    c = int(0.96 * D)
+    thr = np.sort(np.abs(y.astype(np.float32)), axis=1)[:, c].astype(np.float64)
+    yc = q.clipped(y)
+    assert np.array_equal(np.abs(yc).max(axis=1), thr)
+    assert np.all(np.count_nonzero(np.abs(y.astype(np.float32)) > thr[:, None], axis=1) <= D - 1 - c)
+    old = Oscar(m.head(0, 0), "key", clip_mode="quantile", rows="float64").clipped(y)
+    assert not np.array_equal(old, yc)
+    # bfloat16 rows (the release) stay within one bfloat16 step of the float64 rotation
+    yb = Oscar(m.head(0, 0), "key").rotate(x)
+    assert np.all(np.abs(yb - y) <= 2.0**-7 * np.abs(y) + 2.0**-7 * np.abs(x).max())
