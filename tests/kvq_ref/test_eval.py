@@ -23,7 +23,7 @@ from kvq_ref.eval.plot import (comparison_table, load_results, markdown_table, p
 
 
 @pytest.mark.parametrize("method", [TurboQuantMSE(64, 3), TurboQuantProd(64, 3), PolarQuant(64), QuaRot(64, 2, group=64),
-                                    KIVI(64, 2, "key", group=32, residual=32), KIVI(64, 2, "value", 32, 32),
+                                    KIVI(64, 2, "key", group=32, residual=32), KIVI(64, 2, "value", 32, 32, value_window="block"),
                                     QJL(64, "key", m=128, m_outlier=16), QJL(64, "value"), Identity(64),
                                     Blocked(TurboBlock("turbo3", 32), 64)], ids=lambda m: m.name)
 def test_chunk_encodings_concatenate(method):
