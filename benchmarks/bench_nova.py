@@ -47,7 +47,7 @@ Measurements
    official defaults are in README "Fidelity" and benchmarks/fidelity.py), on tables calibrated with
    ``grouping="swap"``:
 
-   * ``nova_kv``: ``NovaKV(head, "key", gain_dtype="float16")`` / ``NovaKV(head, "value")``;
+   * ``nova_kv``: ``NovaKV(head, "key", gain_dtype="float16")`` / ``NovaKV(head, "value", values="vq")``;
    * ``oscar``: ``Oscar(head, role, clip_mode="quantile", rule="uniform", rows="float64")`` (INT2, groups
      of min(128, d));
    * ``turboquant_mse``: ``TurboQuantMSE(d, 2)`` (seeds 0 keys, 1 values);
@@ -314,7 +314,7 @@ def warm_up() -> None:
     _, nova = calibrate(seqs, 16, grouping="swap")
     head = nova.head(0, 0)
     k = seqs[0][0][1][0]
-    for m in (NovaKV(head, "key", gain_dtype="float16"), NovaKV(head, "value"), Oscar(head, "key", **OURS["oscar"]),
+    for m in (NovaKV(head, "key", gain_dtype="float16"), NovaKV(head, "value", values="vq"), Oscar(head, "key", **OURS["oscar"]),
               TurboQuantMSE(16, 2), QuaRot(16, 2, group=16, **OURS["quarot"])):
         m.inner_product(k[:4], m.encode(k))
 
@@ -370,7 +370,7 @@ def make_methods(model, d: int) -> dict:
     """``{method name: (key quantizer factory, value quantizer factory)}`` taking the KV head index."""
     return {
         "nova_kv": (lambda h: NovaKV(model.head(0, h), "key", gain_dtype="float16"),
-                    lambda h: NovaKV(model.head(0, h), "value")),
+                    lambda h: NovaKV(model.head(0, h), "value", values="vq")),
         "oscar": (lambda h: Oscar(model.head(0, h), "key", **OURS["oscar"]),
                   lambda h: Oscar(model.head(0, h), "value", **OURS["oscar"])),
         "turboquant_mse": (lambda h: TurboQuantMSE(d, 2, seed=0), lambda h: TurboQuantMSE(d, 2, seed=1)),

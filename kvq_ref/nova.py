@@ -5,19 +5,27 @@ Notes
 REFERENCE.md section 9. Both read a calibrated ``codebooks.nova.NovaHead``.
 
 NOVA-KV, role "key": ``c = (k - mu_k) S V`` (generalized Parseval: squared error in c is logit
-error), gain ``gamma = rms(c)`` stored as float16 and shape ``c / gamma16``; each equal-volume group of
-``g`` coefficients is replaced by the index of its nearest centroid (squared Euclidean distance,
-ties to the lower index; kernels must match) in that group's codebook of ``2^(bits g)`` entries.
-Stored per token: the indices (``bits g`` bits each, packed) and the gain, float32 as NOVA-KV's
-release stores it: ``bits + 32/d`` bits per element (2.25 at d=128); ``gain_dtype="float16"`` (our
-earlier default) stores ``bits + 16/d`` (2.125). The release's equal-volume grouping is the stratified
-round-robin by rank, ``codebooks.nova.calibrate``'s default (``grouping="swap"``, our refinement, is
-an option); with both, our key indices equal the release's end to end. Role "value": the same on the score-weighted KLT coefficients with a
-float32 gain (``bits + 32/d``, 2.25). Attention never inverse-transforms the cache: a query is
-mapped once to ``q_m = q S^-1 V`` and ``q . k_hat = q_m . c_hat + q . mu_k`` in coefficient space
-(kernels form it as ``gamma * sum_j T_j[code_j]`` with per-group tables
-``T_j[i] = q_m[G_j] . centroid_j[i]``); value sums are formed in coefficient space (kernels: as
-per-group histograms of ``p_t gamma_t`` over codes times the centroids) and rotated back once. A zero coefficient vector has gain 0 and reconstructs to the mean.
+error), gain ``gamma = rms(c)`` and shape ``c / gamma_stored``; each equal-volume group of ``g``
+coefficients is replaced by the index of its nearest centroid (squared Euclidean distance, ties to
+the lower index; kernels must match) in that group's codebook of ``2^(bits g)`` entries. Stored per
+token: the indices (``bits g`` bits each, packed) and the gain, float32 as NOVA-KV's release stores
+it: ``bits + 32/d`` bits per element (2.25 at d=128); ``gain_dtype="float16"`` (our earlier default)
+stores ``bits + 16/d`` (2.125). The release's equal-volume grouping is the stratified round-robin by
+rank, ``codebooks.nova.calibrate``'s default (``grouping="swap"``, our refinement, is an option);
+with both, the key indices are the release's. Attention never inverse-transforms the cache: a query
+is mapped once to ``q_m = q S^-1 V`` and ``q . k_hat = q_m . c_hat + q . mu_k`` in coefficient space
+(kernels form it as ``gamma * sum_j T_j[code_j]`` with per-group tables ``T_j[i] = q_m[G_j] .
+centroid_j[i]``). A zero coefficient vector has gain 0 and reconstructs to the mean.
+
+NOVA-KV, role "value", by default as NOVA-KV's release: OSCAR's clip, INT2 and byte layout
+(``Oscar(head, "value", rotation="nova")``, below) after the rotation ``R = U H P_br`` of the
+uncentred value statistic weighted by ``k^T Sigma_q k``, one per layer (``codebooks.nova``), ``2 +
+64/128 = 2.5`` bits per element. ``values="vq"`` (our extension): the key method's VQ on the
+score-weighted KLT coefficients with a float32 gain (``bits + 32/d``, 2.25), value sums formed in
+coefficient space (kernels: per-group histograms of ``p_t gamma_t`` over codes times the centroids)
+and rotated back once.
+
+Measured effects of the named options: ``benchmarks/fidelity.py``, ``benchmarks/results/fidelity.json``.
 
 OSCAR (official behaviour: ``../shared/interop/oscar/facts.json``, OSCAR commit 473ff3f; the defaults
 reproduce it bit for bit given the rotated rows, ``tests/interop/test_oscar.py``): ``y = x R`` with the
@@ -98,12 +106,16 @@ class NovaKV(Quantizer):
         Calibrated transforms, groups and codebooks.
     role : {"key", "value"}
     gain_dtype : {"float32", "float16"}
-        Storage of the per-token gain (float32 as the release; values always use float32).
+        Storage of the per-token gain (float32 as the release; VQ values always use float32).
+    values : {"int2", "vq"}
+        Role "value" only. ``"int2"`` (default, NOVA-KV's release): ``Oscar(head, "value",
+        rotation="nova")``, OSCAR's clip (0.92), INT2 and byte layout on the head's ``nova_value``
+        rotation, 2.5 bits per element at d = 128; every call is delegated to that Oscar and the
+        Encoded carries its arrays. ``"vq"``: our extension, the gain-shape VQ of the key method on
+        the score-weighted KLT coefficients (module Notes), 2.25 bits at d = 128.
 
     Notes
     -----
-    NOVA-KV's release quantizes values with OSCAR's rotation and INT2, not with VQ; the value role here
-    is our VQ extension of the key method (the official value path is not reproduced yet).
     Not idempotent: a decoded token's coefficients are ``gamma16 * centroid`` per group, whose RMS
     is generally not ``gamma16``, so re-encoding rescales the shape and can move an index.
     """
@@ -111,6 +123,7 @@ class NovaKV(Quantizer):
     head: NovaHead
     role: str = "key"
     gain_dtype: str = "float32"
+    values: str = "int2"
     name: ClassVar[str] = "nova_kv"
     idempotent: ClassVar[bool] = False
 
@@ -119,8 +132,21 @@ class NovaKV(Quantizer):
             raise TypeError(f"head must be a codebooks.nova.NovaHead, got {type(self.head).__name__}")
         _check_role(self.role)
         fp_dtype(self.gain_dtype)
+        if self.values not in ("int2", "vq"):
+            raise ValueError(f"values must be 'int2' or 'vq', got {self.values!r}")
         if self.role == "value" and self.gain_dtype != "float32":
             raise ValueError(f"value gains are stored as float32, got gain_dtype={self.gain_dtype!r}")
+
+    @cached_property
+    def int2(self):
+        """The OSCAR-style INT2 quantizer of the release's value path (None for keys and VQ values)."""
+        if self.role == "value" and self.values == "int2":
+            return Oscar(self.head, "value", rotation="nova")
+        return None
+
+    def _inner(self, enc: Encoded) -> Encoded:
+        self._check(enc)
+        return Encoded(self.int2.name, self.int2.config, enc.shape, enc.arrays)
 
     @property
     def dim(self) -> int:
@@ -138,12 +164,17 @@ class NovaKV(Quantizer):
         return self.head.bits * self.head.g
 
     def layout(self, shape):
+        if self.int2 is not None:
+            return self.int2.layout(shape)
         lead = tuple(shape[:-1])
         n_groups = self.dim // self.head.g
         return {"codes": (lead + (packed_size(n_groups, self._code_bits),), np.dtype(np.uint8)),
                 "gains": (lead, self._tables[3])}
 
     def encode(self, x) -> Encoded:
+        if self.int2 is not None:
+            inner = self.int2.encode(x)
+            return self._make(inner.shape, inner.arrays)
         x = as_array("x", x, dim=self.dim)
         transform, groups, centroids, gain_dtype = self._tables
         c = np.ascontiguousarray(transform.coefficients(x.reshape(-1, self.dim)))
@@ -171,12 +202,16 @@ class NovaKV(Quantizer):
         return c * gains[:, None]
 
     def decode(self, enc: Encoded) -> np.ndarray:
+        if self.int2 is not None:
+            return self.int2.decode(self._inner(enc))
         codes, gains = self._parts(enc)
         transform = self._tables[0]
         return transform.reconstruct(self._coefficients(codes, gains)).astype(np.float32).reshape(enc.shape)
 
     def prepare_query(self, q):
         """``[q_m, q . mu]``: the query in coefficient space and its constant offset, shape (m, d+1)."""
+        if self.int2 is not None:
+            return self.int2.prepare_query(q)
         transform = self._tables[0]
         qm = transform.query(q) if self.role == "key" else q @ transform.basis
         return np.concatenate([qm, (q @ transform.mu)[:, None]], axis=1)
@@ -188,6 +223,8 @@ class NovaKV(Quantizer):
         ``T_j[i] = q_m[G_j] . centroid_j[i]``, which decode kernels use; this reference forms
         ``c_hat`` directly, which is faster on a CPU when many queries meet many tokens.
         """
+        if self.int2 is not None:
+            return self.int2.scores(q_prepared, self._inner(enc))
         codes, gains = self._parts(enc)
         qm, offset = q_prepared[:, :-1], q_prepared[:, -1]
         return qm @ self._coefficients(codes, gains).T + offset[:, None]
@@ -198,6 +235,8 @@ class NovaKV(Quantizer):
         Kernels sum per-group histograms of ``p_t gamma_t`` over codes and multiply them by the
         centroids; forming ``p @ c_hat`` is the same sum.
         """
+        if self.int2 is not None:
+            return self.int2.accumulate(p, self._inner(enc))
         codes, gains = self._parts(enc)
         transform = self._tables[0]
         c = p @ self._coefficients(codes, gains)
@@ -227,6 +266,8 @@ class Oscar(RotatedQuantizer):
         How ``clip_mode="order"`` finds the order statistic (module Notes).
     rule : {"official", "uniform"}
     rows : {"bfloat16", "float64"}
+    rotation : {"oscar", "nova"}
+        ``"nova"`` (values only): the head's ``nova_value`` rotation, NOVA-KV's release for values.
 
     Notes
     -----
@@ -242,6 +283,7 @@ class Oscar(RotatedQuantizer):
     threshold: str = "sort"
     rule: str = "official"
     rows: str = "bfloat16"
+    rotation: str = "oscar"
     name: ClassVar[str] = "oscar"
     idempotent: ClassVar[bool] = False
 
@@ -260,9 +302,12 @@ class Oscar(RotatedQuantizer):
         for name, value, allowed in (("clip_mode", self.clip_mode, ("order", "quantile")),
                                      ("threshold", self.threshold, ("sort", "bisect")),
                                      ("rule", self.rule, ("official", "uniform")),
-                                     ("rows", self.rows, ("bfloat16", "float64"))):
+                                     ("rows", self.rows, ("bfloat16", "float64")),
+                                     ("rotation", self.rotation, ("oscar", "nova"))):
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+        if self.rotation == "nova" and self.role != "value":
+            raise ValueError("rotation='nova' is NOVA-KV's value rotation: role must be 'value'")
         if self.clip_mode == "quantile":
             group_quantile_range(np.zeros((1, 2)), 2, self.clip)  # validates clip
         else:
@@ -281,6 +326,8 @@ class Oscar(RotatedQuantizer):
     @cached_property
     def matrix(self) -> np.ndarray:
         """R (d, d), float64: rotated rows are ``y = x R``."""
+        if self.rotation == "nova":
+            return self.head.nova_value
         return self.head.oscar_key if self.role == "key" else self.head.oscar_value
 
     @cached_property

@@ -80,7 +80,7 @@ class CalibrationTables:
 def calibration_tables(model, tok, name: str, sequences: int = 2, length: int = 1024,
                        iterations: int = 25, seed: int = 0, folder: Path | None = None) -> CalibrationTables:
     """Calibrate on the fixture's ``calibration`` part (cached by a hash of the settings)."""
-    key = hashlib.sha256(f"{name}|{sequences}|{length}|{iterations}|{seed}|v1".encode()).hexdigest()[:12]
+    key = hashlib.sha256(f"{name}|{sequences}|{length}|{iterations}|{seed}|v2".encode()).hexdigest()[:12]
     folder = Path(folder) if folder is not None else cache_dir() / "calibration" / f"{name}-{key}"
     if (folder / "nova_kv" / "manifest.json").is_file() and (folder / "calibration" / "manifest.json").is_file():
         return CalibrationTables(NovaModel.load(folder / "nova_kv"), CalibrationStats.load(folder / "calibration"))

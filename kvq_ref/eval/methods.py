@@ -11,8 +11,8 @@ value_window="block", residual=32)`` on the tokens that leave a 128-token float1
 chunks of 32 tokens; KIVI's own value window is these 128 tokens, its keys keep only the newest
 ``T mod 128`` in float16, so the evaluation keeps up to 127 more keys in float16 than KIVI), ``quarot2``/``quarot4`` =
 ``QuaRot(rule="exact", rotation="randomized", clip_ratio=0.95)``, ``oscar`` = ``Oscar(clip_mode="quantile",
-rule="uniform", rows="float64")``, ``nova`` = ``NovaKV`` with float16 key gains on tables calibrated with
-``grouping="swap"`` (``calib.py``). The ``*_official`` names are the modules' defaults, which reproduce the
+rule="uniform", rows="float64")``, ``nova`` = ``NovaKV`` with float16 key gains and VQ values
+(``values="vq"``) on tables calibrated with ``grouping="swap"`` (``calib.py``). The ``*_official`` names are the modules' defaults, which reproduce the
 official code (README "Fidelity"): ``quarot2_official``/``quarot4_official`` (plain Hadamard, INT kernel
 rule, no clip), ``oscar_official``.
 
@@ -174,7 +174,9 @@ def _turbo(fmt):
 def _nova(layer, head, role, d, tables):
     from ..nova import NovaKV
 
-    return NovaKV(tables.model.head(layer, head), role, gain_dtype="float16" if role == "key" else "float32")
+    if role == "key":
+        return NovaKV(tables.model.head(layer, head), role, gain_dtype="float16")
+    return NovaKV(tables.model.head(layer, head), role, values="vq")
 
 
 def _oscar(layer, head, role, d, tables):

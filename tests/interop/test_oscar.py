@@ -27,7 +27,7 @@ def head_with(R: np.ndarray) -> NovaHead:
     eye, groups = np.eye(d), np.arange(d).reshape(d // 4, 4)
     cents = np.zeros((d // 4, 256, 4), np.float32)
     return NovaHead(KeyTransform(np.zeros(d), eye, eye, np.ones(d), 0.0, 0), ValueTransform(np.zeros(d), eye, np.ones(d)),
-                    groups, groups, cents, cents, R, R, 2, 4)
+                    groups, groups, cents, cents, R, R, R, 2, 4)
 
 
 @pytest.mark.parametrize("case,shared", golden_params("oscar"))
