@@ -14,7 +14,9 @@ REFERENCE.md section 8; the official behaviour is ``../shared/interop/kivi/facts
   "sliding"`` (official): the newest ``min(n, residual)`` values stay float16 and the first
   ``max(0, n - residual)`` are quantized (KIVI's value window slides by one token per decode
   step). ``"block"`` (our earlier rule, kept as an option): like the keys, the newest ``n mod
-  residual`` stay float16. At n = 300, R = 128: 172 quantized values (sliding) against 256 (block).
+  residual`` stay float16. At n = 300, R = 128: 172 quantized values (sliding) against 256 (block);
+  measured at 2 bits: 8.55 against 4.91 stored bits per element and relative MSE 0.089 against 0.130
+  (the quantized tokens alone: 0.153 either way).
 
 Rules (``rule``):
 
@@ -27,9 +29,10 @@ Rules (``rule``):
   group's range by a float16 step; re-encoding changes each code by at most one (tested).
 * ``"exact"``: the float64 min/max rule of ``kvq_ref.uniform`` (round half up with the float16
   margin steps that make re-quantization exact; short last value groups allowed). Idempotent.
-  Measured against ``"official"`` (``benchmarks/fidelity.py``, ``benchmarks/results/fidelity.json``):
-  the two rules pick the same code for all but the elements the float16 arithmetic moves across a
-  rounding boundary, and the same MSE to within a fraction of a percent.
+  Measured against ``"official"`` (``benchmarks/fidelity.py``, ``benchmarks/results/fidelity.json``;
+  d = 128, 300 synthetic tokens with offset and outlier channels): 99.95 % (keys) and 99.92 %
+  (values) of the 2-bit codes agree, 99.7 % and 99.6 % at 4 bits; the relative MSE is the same to 3
+  digits (0.0703 keys, 0.0889 values at 2 bits).
 
 Storage, for shape ``(..., n, dim)`` (``kvq_ref.packing`` little-endian bit streams; for 2 and 4
 bits these are KIVI's int32 words read as little-endian bytes):

@@ -17,9 +17,9 @@ is unbiased, and ``v_hat = ||v|| / (m kappa) * S^T sign(S v)`` reconstructs v in
 
 ``constant="official"``: QJL's released code scales by ``sqrt(pi/2) / m`` (``kappa = sqrt(2/pi)``)
 for every kind. With orthogonal rows that estimator is biased by ``kappa_orth / sqrt(2/pi)``:
-x1.00196 at d = 128 (exact; ``benchmarks/results/fidelity.json`` measures x1.0018 +- 0.0005 by Monte
-Carlo, matching the official facts' 0.7993 / 0.7979); ours (``"unbiased"``) divides by the rows'
-own kappa. For Gaussian rows the two agree.
+x1.00196 at d = 128 (exact; ``benchmarks/results/fidelity.json`` measures x1.00195 +- 0.00002 by Monte
+Carlo; the official facts quote x1.0018 from a smaller sample); ours (``"unbiased"``) divides by the
+rows' own kappa and is unbiased. For Gaussian rows the two agree.
 
 A zero vector has no direction: its signs are stored as +1 (sign(0) := +1, kernels must match)
 and its norm as 0, so it decodes and scores to exactly 0.
