@@ -12,7 +12,6 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import math  # noqa: E402
 import re  # noqa: E402
 
 import numpy as np  # noqa: E402
