@@ -260,7 +260,8 @@ def test_identity_method_reproduces_fp32_logits(lm):
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("name", ["tq_mse2", "tq_prod3", "kivi2", "qjl", "polarquant", "quarot2", "turbo3"])
+@pytest.mark.parametrize("name", ["tq_mse2", "tq_prod3", "kivi2", "qjl", "polarquant", "quarot2", "quarot2_official",
+                                  "turbo3"])
 def test_each_method_gives_finite_metrics_and_band_is_exact(lm, name):
     import torch
 
