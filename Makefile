@@ -59,6 +59,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_kvq_ref.py
 	$(PY) benchmarks/bench_turbo_profiles.py
 	$(PY) benchmarks/bench_nova.py
+	$(PY) benchmarks/fidelity.py
 	$(PY) benchmarks/nova_position.py
 	$(PY) benchmarks/nova_position.py --calib-tokens 4096 --out benchmarks/results/nova_position_calib4096.json
 	$(PY) benchmarks/nova_position.py --model gemma3 --tokens 2048

@@ -9,6 +9,7 @@ kvq-codebooks audit --dist sphere --dim 128 --levels=-0.133,-0.04,0.04,0.133
 kvq-codebooks show DIR
 kvq-codebooks calibrate --qkv captured.safetensors --out calib/
 kvq-codebooks export --format llama.cpp --bits 2,3,4 --out turbo_tables.h
+kvq-codebooks golden --method kivi --out DIR      (added by kvq_ref, see PLUGIN_GROUP)
 """
 
 from __future__ import annotations
@@ -24,6 +25,12 @@ from .audit import audit
 from .build import build, default_densities, parse_float_list, parse_int_list, read_levels
 from .densities import Density, Gaussian, PolarAngle, SphereMarginal
 from .tables import TableFileError, load_tables, save_tables
+
+#: Entry-point group through which installed packages add subcommands: ``name = "module:function"`` with
+#: ``function(argv: list[str]) -> int`` (kvq_ref registers ``golden`` in pyproject.toml). codebooks only
+#: reads the group's names and loads an entry when its command runs, so it never names kvq_ref, theory or
+#: gpu: the data flow stays one way (density -> ... -> kvq_ref), as the layering test checks.
+PLUGIN_GROUP = "kvq_codebooks.commands"
 
 
 def _densities(args, allow_many: bool = True) -> list[Density]:
@@ -206,7 +213,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--group", type=int, default=4, help="coefficients per VQ group (default 4)")
     c.add_argument("--bits", type=int, default=2, help="bits per coefficient (default 2)")
     c.add_argument("--iterations", type=int, default=25, help="k-means iterations (default 25)")
-    c.add_argument("--grouping", default="swap", help="consecutive | round_robin | greedy | swap (default)")
+    c.add_argument("--grouping", default="round_robin",
+                   help="round_robin (default, NOVA-KV's release) | consecutive | greedy | swap")
     c.add_argument("--max-train-tokens", type=int, default=32768, help="tokens per head for k-means")
     c.add_argument("--seed", type=int, default=0)
     c.set_defaults(func=_cmd_calibrate)
@@ -222,11 +230,25 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("folder")
     s.add_argument("--brief", action="store_true", help="one line per density")
     s.set_defaults(func=_cmd_show)
+    for name, ep in sorted(plugin_commands().items()):
+        if name not in sub.choices:  # listed for --help; main() hands its arguments to the entry point
+            sub.add_parser(name, help=f"from {ep.value.split(':')[0]} (kvq-codebooks {name} --help)")
     return p
+
+
+def plugin_commands() -> dict:
+    """Subcommands other installed packages register in ``PLUGIN_GROUP``: name -> EntryPoint (not loaded)."""
+    from importlib.metadata import entry_points
+
+    return {ep.name: ep for ep in entry_points(group=PLUGIN_GROUP)}
 
 
 def main(argv: list[str] | None = None) -> int:
     """Console entry point."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    plugins = plugin_commands()
+    if argv and argv[0] in plugins and argv[0] not in ("build", "audit", "calibrate", "show"):
+        return int(plugins[argv[0]].load()(argv[1:]) or 0)
     args = _parser().parse_args(argv)
     try:
         return args.func(args)

@@ -30,6 +30,7 @@ rows ordered by their smallest index.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -104,15 +105,16 @@ def _check(variances, g) -> tuple[np.ndarray, int]:
 
 
 def _make(lam: np.ndarray, groups: np.ndarray, method: str, history=()) -> Grouping:
-    """Canonicalize ``groups`` and score it."""
-    from theory.waterfill import grouping_gap  # theory imports codebooks: import lazily
-
+    """Canonicalize ``groups`` and score it (the gap of the module Notes, as theory.grouping_gap computes
+    it; codebooks may not import theory, and tests/codebooks/test_grouping.py checks the two agree)."""
     groups = np.sort(np.asarray(groups, dtype=np.int64), axis=1)
     groups = groups[np.argsort(groups[:, 0], kind="stable")]
     groups.setflags(write=False)
     v = np.log(lam)[groups].mean(axis=1)
     v.setflags(write=False)
-    return Grouping(groups=groups, method=method, gap=grouping_gap(lam, groups), log_volumes=v,
+    shift = v.max()  # AM/GM of exp(v), evaluated stably
+    gap = float(max(np.mean(np.exp(v - shift)) / math.exp(np.mean(v) - shift) - 1.0, 0.0))
+    return Grouping(groups=groups, method=method, gap=gap, log_volumes=v,
                     history=tuple(float(h) for h in history))
 
 

@@ -4,7 +4,11 @@
 ``CalibrationStats`` (mergeable), the second maps the keys and values of every head into their
 NOVA-KV coefficients, splits each token into an RMS gain and a shape, groups the coefficients into
 equal-volume groups of ``g`` and trains one k-means codebook of ``2^(bits*g)`` centroids per group
-on the shapes (REFERENCE.md section 9: g = 4 at 2 bits, 256 centroids, 25 iterations). The result,
+on the shapes (REFERENCE.md section 9: g = 4 at 2 bits, 256 centroids, 25 iterations). For the
+values of NOVA-KV's release (OSCAR's rotation and INT2) it also builds, per layer, the rotation
+``R = U H P_br`` of the uncentred value statistic ``sum_t w_t v_t v_t^T`` with ``w_t = k_t^T Sigma_q
+k_t`` (the expected squared logit of token t under the head's pooled queries), pooled over the
+layer's KV heads and all calibration tokens (``nova_value_statistic``). The result,
 a ``NovaModel``, saves to and loads from an artifact folder of kind ``"nova_kv"`` that kernels and
 ``kvq_ref.NovaKV``/``kvq_ref.Oscar`` read.
 """
@@ -20,10 +24,10 @@ import numpy as np
 from .artifacts import fail, load_artifacts, save_artifacts
 from .calibration import CalibrationStats
 from .grouping import equal_volume_groups
-from .transforms import KeyTransform, ValueTransform, head_transforms
+from .transforms import KeyTransform, ValueTransform, head_transforms, oscar_rotation
 from .vq import gain_shape_split, train_group_codebooks
 
-__all__ = ["NovaHead", "NovaModel", "calibrate", "head_coefficients"]
+__all__ = ["NovaHead", "NovaModel", "calibrate", "head_coefficients", "nova_value_statistic"]
 
 KIND = "nova_kv"
 
@@ -41,6 +45,8 @@ class NovaHead:
         One codebook per group, trained on gain-normalized coefficients.
     oscar_key, oscar_value : ndarray, float64, shape (d, d)
         OSCAR rotations ``R = U H P_br``.
+    nova_value : ndarray, float64, shape (d, d)
+        The rotation NOVA-KV's release uses for values (module docstring), shared by a layer's heads.
     bits, g : int
         Bits per coefficient and group size.
     """
@@ -53,6 +59,7 @@ class NovaHead:
     value_centroids: np.ndarray
     oscar_key: np.ndarray
     oscar_value: np.ndarray
+    nova_value: np.ndarray
     bits: int
     g: int
 
@@ -68,6 +75,7 @@ class NovaHead:
             "value.variances": self.value.variances, "key.groups": self.key_groups,
             "value.groups": self.value_groups, "key.centroids": self.key_centroids,
             "value.centroids": self.value_centroids, "oscar.key": self.oscar_key, "oscar.value": self.oscar_value,
+            "nova.value": self.nova_value,
         }
 
     @property
@@ -127,7 +135,8 @@ class NovaModel:
                     value=ValueTransform(a["value.mu"], a["value.basis"], a["value.variances"]),
                     key_groups=a["key.groups"], value_groups=a["value.groups"],
                     key_centroids=a["key.centroids"], value_centroids=a["value.centroids"],
-                    oscar_key=a["oscar.key"], oscar_value=a["oscar.value"], bits=int(e["bits"]), g=int(e["g"]))
+                    oscar_key=a["oscar.key"], oscar_value=a["oscar.value"], nova_value=a["nova.value"],
+                    bits=int(e["bits"]), g=int(e["g"]))
             except KeyError as exc:
                 fail(art.folder / "manifest.json", f"{e['name']} lacks array {exc}")
             _validate(hd, art.folder / "manifest.json", e["name"])
@@ -144,7 +153,8 @@ def _validate(hd: NovaHead, path, name: str) -> None:
     for cen in (hd.key_centroids, hd.value_centroids):
         if cen.shape != (d // g, k, g):
             fail(path, f"{name}: centroids have shape {cen.shape}, expected {(d // g, k, g)}")
-    for nm, m in (("key.forward", hd.key.forward), ("oscar.key", hd.oscar_key), ("oscar.value", hd.oscar_value)):
+    for nm, m in (("key.forward", hd.key.forward), ("oscar.key", hd.oscar_key), ("oscar.value", hd.oscar_value),
+                  ("nova.value", hd.nova_value)):
         if m.shape != (d, d):
             fail(path, f"{name}: {nm} has shape {m.shape}")
     if not np.allclose(hd.key.forward @ hd.key.inverse, np.eye(d), atol=1e-6 * max(1.0, np.abs(hd.key.forward).max()
@@ -152,8 +162,32 @@ def _validate(hd: NovaHead, path, name: str) -> None:
         fail(path, f"{name}: key.forward and key.inverse are not inverses")
 
 
+def nova_value_statistic(sequences: list, stats: CalibrationStats) -> dict:
+    """Per layer, ``sum_t w_t v_t v_t^T / sum_t w_t`` with ``w_t = k_t^T Sigma_q k_t`` (uncentred), over
+    every KV head of the layer and every token of ``sequences`` (``Sigma_q`` the head's, from ``stats``).
+
+    Returns ``{layer: (d, d) float64}``; a layer whose weights are all 0 raises ValueError.
+    """
+    acc: dict = {}
+    for seq in sequences:
+        for layer, (_, k, v) in seq.items():
+            k = np.asarray(k, dtype=np.float64)
+            v = np.asarray(v, dtype=np.float64)
+            for h in range(k.shape[0]):
+                sq = stats.head(layer, h).sigma_q
+                w = np.einsum("td,de,te->t", k[h], sq, k[h])
+                m, tot = acc.get(layer, (0.0, 0.0))
+                acc[layer] = (m + (v[h] * w[:, None]).T @ v[h], tot + float(w.sum()))
+    out = {}
+    for layer, (m, tot) in acc.items():
+        if not tot > 0:
+            raise ValueError(f"layer {layer}: the value statistic has no weight (all k^T Sigma_q k are 0)")
+        out[layer] = m / tot
+    return out
+
+
 def calibrate(sequences: Iterable, d: int, g: int = 4, bits: int = 2, iterations: int = 25, seed: int = 0,
-              grouping: str = "swap", max_train_tokens: int = 32768, scale: float | None = None):
+              grouping: str = "round_robin", max_train_tokens: int = 32768, scale: float | None = None):
     """Calibrate NOVA-KV and OSCAR from captured attention inputs.
 
     Parameters
@@ -168,7 +202,9 @@ def calibrate(sequences: Iterable, d: int, g: int = 4, bits: int = 2, iterations
     iterations, seed : int
         k-means settings (deterministic).
     grouping : str
-        Equal-volume grouping heuristic (see ``codebooks.grouping``).
+        Equal-volume grouping heuristic (see ``codebooks.grouping``): ``"round_robin"``, the stratified
+        grouping of NOVA-KV's release (default); ``"swap"`` refines greedy groups by pairwise swaps
+        (a smaller grouping gap; its effect is in benchmarks/results/fidelity.json).
     max_train_tokens : int
         Tokens per head used to train the codebooks (the first ones, in sequence order).
     scale : float, optional
@@ -190,6 +226,7 @@ def calibrate(sequences: Iterable, d: int, g: int = 4, bits: int = 2, iterations
         for layer, (q, k, v) in seq.items():
             stats.update(layer, q, k, v, scale=scale)
     heads = {}
+    value_rotations = {layer: oscar_rotation(w) for layer, w in nova_value_statistic(sequences, stats).items()}
     for (layer, h), st in sorted(stats.heads.items()):
         st.check(min_tokens=max(d + 1, 2 ** (bits * g)),
                  why=f"the transforms (d + 1 = {d + 1}) and codebooks (2^(bits*g) = {2 ** (bits * g)} centroids)")
@@ -204,7 +241,8 @@ def calibrate(sequences: Iterable, d: int, g: int = 4, bits: int = 2, iterations
                                           seed=seed + 7919 * (2 * (layer * 1000 + h) + (role == "value")))
             parts[role] = (grp.groups.astype(np.int64), np.stack([b.centroids for b in books]).astype(np.float32))
         heads[(layer, h)] = NovaHead(tr["key"], tr["value"], parts["key"][0], parts["value"][0], parts["key"][1],
-                                     parts["value"][1], tr["oscar_key"], tr["oscar_value"], bits, g)
+                                     parts["value"][1], tr["oscar_key"], tr["oscar_value"], value_rotations[layer],
+                                     bits, g)
     meta = {"d": d, "g": g, "bits": bits, "iterations": iterations, "seed": seed, "grouping": grouping,
             "max_train_tokens": max_train_tokens, "sequences": len(sequences)}
     return stats, NovaModel(heads, meta)

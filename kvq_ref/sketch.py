@@ -15,6 +15,12 @@ is unbiased, and ``v_hat = ||v|| / (m kappa) * S^T sign(S v)`` reconstructs v in
   per block, as QJL's code orthogonalizes per chunk); each row is uniform on the sphere of radius
   sqrt(d), so ``kappa = sqrt(d) E|X|`` with X ~ SphereMarginal(d), and it is unbiased too.
 
+``constant="official"``: QJL's released code scales by ``sqrt(pi/2) / m`` (``kappa = sqrt(2/pi)``)
+for every kind. With orthogonal rows that estimator is biased by ``kappa_orth / sqrt(2/pi)``:
+x1.00196 at d = 128 (exact; ``benchmarks/results/fidelity.json`` measures x1.00195 +- 0.00002 by Monte
+Carlo; the official facts quote x1.0018 from a smaller sample); ours (``"unbiased"``) divides by the
+rows' own kappa and is unbiased. For Gaussian rows the two agree.
+
 A zero vector has no direction: its signs are stored as +1 (sign(0) := +1, kernels must match)
 and its norm as 0, so it decodes and scores to exactly 0.
 """
@@ -62,11 +68,18 @@ class QJLSketch:
     seed : int
     stream : int
         Random stream (see ``kvq_ref.rotations.rng``); separate sketches use separate streams.
+    constant : {"unbiased", "official"}
+        The estimator's scale (module Notes).
     """
 
-    def __init__(self, m: int, d: int, kind: str = "gaussian", seed: int = 0, stream: int = 2):
+    def __init__(self, m: int, d: int, kind: str = "gaussian", seed: int = 0, stream: int = 2,
+                 constant: str = "unbiased"):
+        if constant not in ("unbiased", "official"):
+            raise ValueError(f"constant must be 'unbiased' or 'official', got {constant!r}")
         self.m, self.d, self.kind = int(m), int(d), kind
         self.S, self.kappa = sketch_matrix(self.m, self.d, kind, int(seed), int(stream))
+        if constant == "official":
+            self.kappa = math.sqrt(2.0 / math.pi)
 
     def signs(self, v: np.ndarray) -> np.ndarray:
         """``sign(S v) > 0`` as booleans (True for +1; sign(0) counts as +1), shape (..., m)."""

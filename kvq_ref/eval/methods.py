@@ -5,6 +5,17 @@ so rotations and sketches differ between heads as in a real deployment) and the 
 method keeps: NOVA-KV and OSCAR keep the first 64 and last 256 tokens (REFERENCE.md section 9),
 KIVI and QJL their recent full-precision residual of 128 tokens (sections 7-8), the others none.
 
+Names and settings. The names of the committed results keep the settings they were run with (our
+variants, each a named option documented in its module): ``kivi2``/``kivi4`` = ``KIVI(rule="exact",
+value_window="block", residual=32)`` on the tokens that leave a 128-token float16 window (the cache's
+chunks of 32 tokens; KIVI's own value window is these 128 tokens, its keys keep only the newest
+``T mod 128`` in float16, so the evaluation keeps up to 127 more keys in float16 than KIVI), ``quarot2``/``quarot4`` =
+``QuaRot(rule="exact", rotation="randomized", clip_ratio=0.95)``, ``oscar`` = ``Oscar(clip_mode="quantile",
+rule="uniform", rows="float64")``, ``nova`` = ``NovaKV`` with float16 key gains and VQ values
+(``values="vq"``) on tables calibrated with ``grouping="swap"`` (``calib.py``). The ``*_official`` names are the modules' defaults, which reproduce the
+official code (README "Fidelity"): ``quarot2_official``/``quarot4_official`` (plain Hadamard, INT kernel
+rule, no clip), ``oscar_official``.
+
 A name ``<method>:keys`` (or ``:values``) is the method applied to the keys only (values only), with
 the other half stored exactly (float32) and the method's band kept: it tells which half of the
 cache a failure comes from.
@@ -165,13 +176,33 @@ def _turbo(fmt):
 def _nova(layer, head, role, d, tables):
     from ..nova import NovaKV
 
-    return NovaKV(tables.model.head(layer, head), role)
+    if role == "key":
+        return NovaKV(tables.model.head(layer, head), role, gain_dtype="float16")
+    return NovaKV(tables.model.head(layer, head), role, values="vq")
 
 
 def _oscar(layer, head, role, d, tables):
     from ..nova import Oscar
 
+    return Oscar(tables.model.head(layer, head), role, clip_mode="quantile", rule="uniform", rows="float64")
+
+
+def _oscar_official(layer, head, role, d, tables):
+    from ..nova import Oscar
+
     return Oscar(tables.model.head(layer, head), role)
+
+
+def _kivi(bits):
+    # the evaluation's 128-token window holds KIVI's float16 tokens; its token chunks of 32 are quantized
+    return lambda l, h, r, d, t: KIVI(d, bits, r, group=32, residual=32, rule="exact", value_window="block")
+
+
+def _quarot(bits, official):
+    if official:
+        return lambda l, h, r, d, t: QuaRot(d, bits, group=min(128, d))
+    return lambda l, h, r, d, t: QuaRot(d, bits, group=min(128, d), seed=_seed(l, h, r), clip_ratio=0.95,
+                                        rotation="randomized", rule="exact")
 
 
 METHODS: dict[str, dict] = {
@@ -186,15 +217,16 @@ METHODS: dict[str, dict] = {
     "qjl": dict(make=lambda l, h, r, d, t: QJL(d, r, m=2 * d, m_outlier=d // 4, seed=_seed(l, h, r)),
                 window=128, nominal_bits=3.0),
     "polarquant": dict(make=lambda l, h, r, d, t: PolarQuant(d, seed=_seed(l, h, r)), nominal_bits=3.875),
-    "kivi2": dict(make=lambda l, h, r, d, t: KIVI(d, 2, r, group=32, residual=32), window=128, nominal_bits=2.0),
-    "kivi4": dict(make=lambda l, h, r, d, t: KIVI(d, 4, r, group=32, residual=32), window=128, nominal_bits=4.0),
-    "quarot2": dict(make=lambda l, h, r, d, t: QuaRot(d, 2, group=min(128, d), seed=_seed(l, h, r)),
-                    nominal_bits=2.25),
-    "quarot4": dict(make=lambda l, h, r, d, t: QuaRot(d, 4, group=min(128, d), seed=_seed(l, h, r)),
-                    nominal_bits=4.25),
+    "kivi2": dict(make=_kivi(2), window=128, nominal_bits=2.0),
+    "kivi4": dict(make=_kivi(4), window=128, nominal_bits=4.0),
+    "quarot2": dict(make=_quarot(2, False), nominal_bits=2.25),
+    "quarot4": dict(make=_quarot(4, False), nominal_bits=4.25),
+    "quarot2_official": dict(make=_quarot(2, True), nominal_bits=2.25),
+    "quarot4_official": dict(make=_quarot(4, True), nominal_bits=4.25),
     "turbo3": dict(make=_turbo("turbo3"), nominal_bits=3.125),
     "turbo4": dict(make=_turbo("turbo4"), nominal_bits=4.25),
     "oscar": dict(make=_oscar, sink=64, window=256, nominal_bits=2.28, calibrated=True),
+    "oscar_official": dict(make=_oscar_official, sink=64, window=256, nominal_bits=2.5, calibrated=True),
     "nova": dict(make=_nova, sink=64, window=256, nominal_bits=2.22, calibrated=True),
 }
 

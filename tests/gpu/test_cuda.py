@@ -11,7 +11,7 @@ for float16 and float32 inputs (squares of both are exact in float64 and the ker
 kvq_ref's order; see gpu/cuda/binding.py). A zero row puts every rotated coordinate exactly on the
 middle threshold 0.0, which checks the tie rule (the lower cell).
 
-Decode-attention tolerance (float32, u = 2^-24 ~ 6e-8). The kernel rounds the rotated query and
+Decode-attention tolerance: ``kvq_ref.testing.ATTENTION_RTOL`` (float32, u = 2^-24 ~ 6e-8). The kernel rounds the rotated query and
 the levels to float32, forms d-term float32 dot products (typical error ~ sqrt(d) u relative),
 exponentials (CUDA's expf: <= 2 ulp; glibc's in the host emulation: <= 1 ulp), running sums over
 n tokens (~ sqrt(n) u) and a float32 inverse rotation (log2(b) + 2 roundings), against kvq_ref's
@@ -39,13 +39,14 @@ from gpu.cuda.binding import (HOST_EMULATION_ENV, CudaUnavailableError, decode_a
 from gpu.tables import TableMismatchError, load_device_table
 from kvq_ref.attention import QuantizedKV, attention_decode, relative_error
 from kvq_ref.packing import packed_size
+from kvq_ref.testing import ATTENTION_RTOL
 from kvq_ref.turbo_block import TurboBlock
 from kvq_ref.turboquant import TurboQuantMSE
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 needs_nvcc = pytest.mark.skipif(find_nvcc() is None, reason="needs nvcc (CUDA toolkit)")
 KERNELS = {"kvq_quantize_mse_kernel", "kvq_quantize_turbo_kernel", "kvq_decode_attention_kernel"}
-ATTN_TOL = 2e-5
+ATTN_TOL = ATTENTION_RTOL
 
 
 @pytest.fixture(params=[pytest.param("host", id="host-emulation"), pytest.param("cuda", marks=needs_gpu)])

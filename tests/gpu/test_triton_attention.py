@@ -3,37 +3,12 @@
 Runs on CPU tensors under ``TRITON_INTERPRET=1`` (set here and in conftest, before any kernel is
 created); with ``TRITON_INTERPRET=0`` on a CUDA machine the same tests run on the GPU.
 
-Both kernels compute in float32 and kvq_ref in float64, so results are compared with a bound on
-float32 rounding, ``u = 2^-24``, evaluated per case from the data. Sums of n terms use the
-probabilistic bound of Higham and Mary (SIAM J. Sci. Comput. 41, 2019): if rounding errors are
-independent with mean zero, the error of a recursive or blocked sum of n products is at most about
-``lam * sqrt(n) * u * sum|terms|`` except with probability ``2n exp(-lam^2 / 2)``; with ``lam = 6``
-that is 3e-8 n per sum (the worst-case bound, ``n u`` instead of ``sqrt(n) u``, is 10x looser still).
-
-Decode attention (``mse_tolerance``)
-------------------------------------
-Logit ``z_t = scale * <q', k'_t>`` where the kernel multiplies the rotated query by ``levels * norm``
-for encoded tokens and the plain query by the float16 key for band tokens:
-``|dz_t| <= lam u [sqrt(d + 4) scale sum_j |q'_j k'_tj| + sqrt(log2 b + 2) scale ||q|| ||k_t||]
-+ 4u + lam u sqrt(n + 8)``: the dot product with the level, norm and scale roundings, the query
-rotation (log2 b butterfly stages, each sqrt(2) times an orthogonal map, so its error is normwise,
-encoded tokens only), the float32 exp (<= 2 ulp, doubled) and the running max/sum rescalings.
-Softmax weights then move by at most ``|dw_t| <= w_t (|dz_t| + sum_s w_s |dz_s|)`` (first order),
-and the output by ``sum_t |dw_t| |v_t| + lam u sqrt(n + log2 b + 8) || sum_t w_t |y_t| ||_2``, the
-last term for the blocked accumulation of the values ``y_t`` as the kernel holds them (rotated for
-encoded tokens), the one inverse rotation and the final division. The query is rounded to float32
-before both computations, so its rounding is not an error. Measured errors are about 1e-3 of this
-bound (it sums magnitudes and logits here reach 20-70), i.e. a few 1e-7 on outputs of order 1; the
-bound is still 10x below what one wrong 3-bit code does (``test_mse_tolerance_rejects_one_wrong_code``).
-
-NOVA-KV scores (``nova_tolerance``)
------------------------------------
-``s_t = gain_t sum_j T_j[code_tj] + q . mu`` with ``q_m = q @ inverse.T`` (d products; the float64
-inverse is rounded to float32, one more u), ``T_j[i] = q_m[G_j] . c_ji`` (g products), the sum over
-G groups, the gain product and the offset ``q . mu`` (d products, mu rounded): ``|ds_t| <=
-lam u sqrt(d + g + G + 4) gain_t sum_j sum_i (|q| @ |inverse|^T)[G_ji] |c_j[code_tj], i| +
-lam u sqrt(d + 3) |q| . |mu| + u |s_t|``. Measured errors are 1e-3 to 1e-2 of it (relative 1e-7 of
-the largest score).
+Both kernels compute in float32 and kvq_ref in float64, so results are compared with bounds on
+float32 rounding evaluated per case from the data: ``mse_tolerance`` and ``nova_tolerance`` are
+``kvq_ref.testing.mse_attention_tolerance`` and ``nova_score_tolerance`` (derivations in
+``kvq_ref.testing.tolerances``). Measured errors are about 1e-3 of the attention bound (a few 1e-7 on
+outputs of order 1), still 10x below what one wrong 3-bit code does
+(``test_mse_tolerance_rejects_one_wrong_code``), and 1e-3 to 1e-2 of the NOVA-KV score bound.
 """
 
 import os
@@ -54,15 +29,14 @@ from gpu.triton.attention import Band, decode_attention_mse, inputs_from_cache  
 from gpu.triton.nova import NovaKeyTables, nova_key_scores  # noqa: E402
 from kvq_ref import QuantizedKV, TurboQuantMSE, attention_decode  # noqa: E402
 from kvq_ref.nova import NovaKV  # noqa: E402
-from kvq_ref.packing import unpack_codes  # noqa: E402
+from kvq_ref.testing import mse_attention_tolerance as mse_tolerance  # noqa: E402
+from kvq_ref.testing import nova_score_tolerance as nova_tolerance  # noqa: E402
 from tests.nova_data import generator, sequence  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEV = "cpu" if INTERPRET else ("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(),
                                 reason="needs TRITON_INTERPRET=1 or a CUDA GPU")
-U = 2.0**-24
-LAM = 6.0
 
 _TABLES = {}
 
@@ -108,29 +82,6 @@ def stacked(caches, lead, device):
     band = Band(*(torch.stack([getattr(x[4], f) for x in inputs]).reshape(lead + (nb, caches[0].d)).to(device)
                   for f in ("keys", "values")), inputs[0][4].positions)
     return arrays, band
-
-
-def mse_tolerance(q, cache, kq, vq, scale, u=U):
-    """Per-query bound on ``max_j |out_j - ref_j|`` (module docstring)."""
-    K, V = cache.dequantized()
-    n, d = K.shape
-    log_b = (d & -d).bit_length() - 1
-    enc = np.zeros(n, bool)
-    enc[cache.middle] = True
-    k_kernel, y_kernel = K.copy(), V.copy()  # what the kernel multiplies: rotated for encoded tokens
-    if enc.any():
-        k_kernel[enc] = kq.rot.apply(K[enc])
-        y_kernel[enc] = vq.rot.apply(V[enc])
-    q_kernel = np.where(enc[None, :, None], kq.rot.apply(q)[:, None, :], q[:, None, :])
-    dot_abs = scale * np.einsum("mnd,nd->mn", np.abs(q_kernel), np.abs(k_kernel))
-    rot = scale * np.linalg.norm(q, axis=1)[:, None] * np.linalg.norm(K, axis=1)[None, :] * enc
-    dz = LAM * u * (math.sqrt(d + 4) * dot_abs + math.sqrt(log_b + 2) * rot) + 4 * u + LAM * u * math.sqrt(n + 8)
-    z = scale * q @ K.T
-    w = np.exp(z - z.max(axis=1, keepdims=True))
-    w /= w.sum(axis=1, keepdims=True)
-    weights = (w * dz) @ np.abs(V) + (w * dz).sum(axis=1, keepdims=True) * (w @ np.abs(V))
-    accumulate = LAM * u * math.sqrt(n + log_b + 8) * np.linalg.norm(w @ np.abs(y_kernel), axis=1)
-    return weights.max(axis=1) + accumulate
 
 
 def run_mse(q, cache, kq, vq, scale=None, **kw):
@@ -251,22 +202,7 @@ def nova(request):
     gen = generator(d, seed=5)
     _, model = calibrate([sequence(gen, 2, 1, 400, 0)], d, g=4, bits=2, iterations=3, seed=1)
     head = model.head(0, 0)
-    return gen, head, NovaKV(head, "key"), NovaKeyTables.from_head(head, DEV)
-
-
-def nova_tolerance(q, head, enc, ref, u=U):
-    """Per-score bound on ``|kernel - ref|`` (module docstring), shape (m, N)."""
-    d, g = head.d, head.g
-    n_groups = d // g
-    codes = unpack_codes(enc.arrays["codes"], head.bits * g, n_groups)
-    gains = enc.arrays["gains"].astype(np.float64)
-    qm_abs = np.abs(q) @ np.abs(head.key.inverse).T  # (m, d)
-    cent = np.abs(head.key_centroids.astype(np.float64))  # (G, K, g)
-    per_token = np.zeros((q.shape[0], codes.shape[0]))
-    for j in range(n_groups):
-        per_token += qm_abs[:, head.key_groups[j]] @ cent[j][codes[:, j]].T
-    return (LAM * u * math.sqrt(d + g + n_groups + 4) * gains * per_token
-            + LAM * u * math.sqrt(d + 3) * (np.abs(q) @ np.abs(head.key.mu))[:, None] + u * np.abs(ref))
+    return gen, head, NovaKV(head, "key", gain_dtype="float16"), NovaKeyTables.from_head(head, DEV)
 
 
 def check_nova(q, nk, tables, keys, **kw):

@@ -23,7 +23,7 @@ from kvq_ref.eval.plot import (comparison_table, load_results, markdown_table, p
 
 
 @pytest.mark.parametrize("method", [TurboQuantMSE(64, 3), TurboQuantProd(64, 3), PolarQuant(64), QuaRot(64, 2, group=64),
-                                    KIVI(64, 2, "key", group=32, residual=32), KIVI(64, 2, "value", 32, 32),
+                                    KIVI(64, 2, "key", group=32, residual=32), KIVI(64, 2, "value", 32, 32, value_window="block"),
                                     QJL(64, "key", m=128, m_outlier=16), QJL(64, "value"), Identity(64),
                                     Blocked(TurboBlock("turbo3", 32, profile="kvq"), 64)], ids=lambda m: m.name)
 def test_chunk_encodings_concatenate(method):
@@ -260,7 +260,8 @@ def test_identity_method_reproduces_fp32_logits(lm):
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("name", ["tq_mse2", "tq_prod3", "kivi2", "qjl", "polarquant", "quarot2", "turbo3"])
+@pytest.mark.parametrize("name", ["tq_mse2", "tq_prod3", "kivi2", "qjl", "polarquant", "quarot2", "quarot2_official",
+                                  "turbo3"])
 def test_each_method_gives_finite_metrics_and_band_is_exact(lm, name):
     import torch
 

@@ -19,15 +19,19 @@ METHODS = {
     "qjl_value": QJL(128, role="value"),
     "polar": PolarQuant(128),
     "kivi_key": KIVI(128, 2, role="key", group=32, residual=32),
-    "kivi_value": KIVI(128, 2, role="value", group=32, residual=32),
+    "kivi_value": KIVI(128, 2, role="value", group=32, residual=32, value_window="block"),
+    "kivi_value_sliding": KIVI(128, 2, role="value", group=32, residual=32),
+    "kivi_exact": KIVI(128, 2, role="key", group=32, residual=32, rule="exact"),
     "quarot": QuaRot(128, 2),
     "quarot_noclip": QuaRot(128, 4, clip_ratio=1.0),
+    "quarot_exact": QuaRot(128, 2, clip_ratio=0.95, rotation="randomized", rule="exact"),
     "turbo3": TurboBlock("turbo3"),
     "turbo4": TurboBlock("turbo4"),
 }
 
 # published / defining rates (bits per element of what is stored)
-RATES = {"tq_split": 2.5, "polar": 3.875, "kivi_key": 3.0, "kivi_value": 3.0, "quarot": 2.25,
+RATES = {"tq_split": 2.5, "polar": 3.875, "kivi_key": 3.0, "kivi_value": 3.0, "quarot": 2.25, "quarot_exact": 2.25,
+         "kivi_value_sliding": (32 * 3.0 + 32 * 16) / 64, "kivi_exact": 3.0,
          "turbo3": 3.125, "turbo4": 4.25, "tq_mse": 3 + 16 / 128, "tq_prod": 3 + 32 / 128}
 
 

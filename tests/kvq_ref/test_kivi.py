@@ -1,4 +1,9 @@
-"""kvq_ref.kivi: per-channel keys, per-token values, float16 residual block."""
+"""kvq_ref.kivi: per-channel keys, per-token values, float16 residual tokens.
+
+Most laws here are those of ``rule="exact"`` with ``value_window="block"`` (``ExactKIVI``); the official
+defaults are checked bit for bit against KIVI's own code in tests/interop/test_kivi.py and for their
+window and re-encoding laws at the end of this file.
+"""
 
 from __future__ import annotations
 
@@ -19,6 +24,11 @@ from tests.kvq_ref.test_uniform import slow_rule
 F16 = np.float16
 
 
+def ExactKIVI(*args, **kw):
+    """KIVI with our exact (idempotent) rule and the block value window."""
+    return KIVI(*args, **{"rule": "exact", "value_window": "block", **kw})
+
+
 def gaussian(shape, seed=0):
     return np.random.default_rng(seed).standard_normal(shape)
 
@@ -35,7 +45,7 @@ def configs_and_inputs(draw):
     offset = draw(st.sampled_from([0.0, 1.0, -700.0, 1e-4]))
     spread = draw(st.sampled_from([1e-7, 1e-3, 1.0, 50.0]))
     unit = draw(hnp.arrays(np.float64, lead + (n, dim), elements=st.floats(-1, 1)))
-    return KIVI(dim, bits, role, group, residual), offset + spread * unit
+    return ExactKIVI(dim, bits, role, group, residual), offset + spread * unit
 
 
 @given(configs_and_inputs())
@@ -69,7 +79,7 @@ def test_rate_is_what_is_stored(case):
 @pytest.mark.parametrize("bits", range(1, 9))
 @pytest.mark.parametrize("group", [8, 32, 64, 128])
 def test_published_rate_when_n_is_a_multiple_of_residual(role, bits, group):
-    q = KIVI(128, bits, role, group, 128)
+    q = ExactKIVI(128, bits, role, group, 128)
     for n in (128, 384):
         enc = q.encode(gaussian((2, n, 128)))
         assert enc.bits_per_element == bits + 32 / group
@@ -78,7 +88,7 @@ def test_published_rate_when_n_is_a_multiple_of_residual(role, bits, group):
 
 @pytest.mark.parametrize("role", ["key", "value"])
 def test_residual_tokens_cost_16_bits(role):
-    q = KIVI(128, 2, role, 32, 128)
+    q = ExactKIVI(128, 2, role, 32, 128)
     enc = q.encode(gaussian((300, 128)))  # 256 quantized + 44 float16
     assert enc.bits_per_element == (256 * 3.0 + 44 * 16) / 300
     assert q.encode(gaussian((97, 128))).bits_per_element == 16.0
@@ -86,7 +96,7 @@ def test_residual_tokens_cost_16_bits(role):
 
 @pytest.mark.parametrize("role", ["key", "value"])
 def test_residual_is_the_float16_input_and_only_the_prefix_is_quantized(role):
-    q = KIVI(16, 2, role, 4, 8)
+    q = ExactKIVI(16, 2, role, 4, 8)
     x = gaussian((3, 21, 16), 1)  # 16 quantized tokens, 5 residual
     enc = q.encode(x)
     y = q.decode(enc)
@@ -98,7 +108,7 @@ def test_residual_is_the_float16_input_and_only_the_prefix_is_quantized(role):
 
 
 def test_keys_are_grouped_per_channel_over_tokens():
-    q = KIVI(5, 3, "key", 4, 8)
+    q = ExactKIVI(5, 3, "key", 4, 8)
     x = gaussian((16, 5), 2) * np.array([1, 10, 0.1, 3, 100])  # channel scales differ a lot
     enc = q.encode(x)
     codes = unpack_codes(enc.arrays["codes"], 3, 4)  # (groups, dim, tokens)
@@ -110,7 +120,7 @@ def test_keys_are_grouped_per_channel_over_tokens():
 
 
 def test_values_are_grouped_per_token_over_channels():
-    q = KIVI(10, 3, "value", 4, 8)  # groups of channels 0-3, 4-7, 8-9
+    q = ExactKIVI(10, 3, "value", 4, 8)  # groups of channels 0-3, 4-7, 8-9
     x = gaussian((8, 10), 3) * np.linspace(0.1, 10, 8)[:, None]  # token scales differ
     enc = q.encode(x)
     codes = unpack_codes(enc.arrays["codes"], 3, 10)
@@ -124,7 +134,7 @@ def test_values_are_grouped_per_token_over_channels():
 @pytest.mark.parametrize("role", ["key", "value"])
 def test_error_matches_the_uniform_rounding_law(role):
     """Theory at 8 bits: errors of non-extreme entries ~ Uniform(-s/2, s/2), E[(e/s)^2] = 1/12."""
-    q = KIVI(64, 8, role, 32, 128)
+    q = ExactKIVI(64, 8, role, 32, 128)
     x = gaussian((4, 256, 64), 4)
     enc = q.encode(x)
     e = x - q.decode(enc)
@@ -145,7 +155,7 @@ def test_error_matches_the_uniform_rounding_law(role):
 
 @pytest.mark.parametrize("role", ["key", "value"])
 def test_inner_product_is_against_the_decoded_vectors(role):
-    q = KIVI(32, 2, role, 8, 16)
+    q = ExactKIVI(32, 2, role, 8, 16)
     enc = q.encode(gaussian((2, 40, 32), 5))
     qs = gaussian((3, 32), 6)
     ip = q.inner_product(qs, enc)
@@ -157,7 +167,7 @@ def test_inner_product_is_against_the_decoded_vectors(role):
 @pytest.mark.parametrize("role", ["key", "value"])
 @pytest.mark.parametrize("n", [1, 54, 97])
 def test_odd_token_counts_and_zero_vectors(role, n):
-    q = KIVI(24, 2, role, 8, 32)
+    q = ExactKIVI(24, 2, role, 8, 32)
     x = gaussian((3, n, 24), n)
     y = q.decode(q.encode(x))
     assert y.shape == x.shape and np.all(np.isfinite(y))
@@ -182,13 +192,13 @@ def _corruptions(enc):
 
 @pytest.mark.parametrize("role", ["key", "value"])
 def test_corrupted_encodings_are_refused(role):
-    q = KIVI(8, 3, role, 4, 8)
+    q = ExactKIVI(8, 3, role, 4, 8)
     enc = q.encode(gaussian((20, 8), 7))
     for what, arrays in _corruptions(enc):
         with pytest.raises(ValueError):
             q.decode(Encoded(enc.method, enc.config, enc.shape, arrays))
     with pytest.raises(ValueError, match="config"):
-        KIVI(8, 2, role, 4, 8).decode(enc)
+        ExactKIVI(8, 2, role, 4, 8).decode(enc)
     with pytest.raises(ValueError, match="made by"):
         q.decode(dataclasses.replace(enc, method="quarot"))
     with pytest.raises(ValueError):
@@ -196,7 +206,7 @@ def test_corrupted_encodings_are_refused(role):
 
 
 def test_set_padding_bits_are_refused():
-    q = KIVI(5, 3, "value", 4, 8)  # 15 bits per token: one padding bit per row
+    q = ExactKIVI(5, 3, "value", 4, 8)  # 15 bits per token: one padding bit per row
     enc = q.encode(gaussian((8, 5), 8))
     codes = enc.arrays["codes"].copy()
     codes[0, -1] |= 0x80
@@ -211,15 +221,15 @@ def test_set_padding_bits_are_refused():
 ])
 def test_bad_parameters(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        KIVI(**(dict(dim=8) | kwargs))
+        ExactKIVI(**(dict(dim=8) | kwargs))
 
 
 def test_value_residual_need_not_be_a_multiple_of_group():
-    assert KIVI(8, role="value", group=32, residual=48).residual == 48
+    assert ExactKIVI(8, role="value", group=32, residual=48).residual == 48
 
 
 def test_bad_inputs():
-    q = KIVI(8, 2, "key", 4, 8)
+    q = ExactKIVI(8, 2, "key", 4, 8)
     x = gaussian((8, 8))
     x[3, 2] = np.nan
     with pytest.raises(ValueError, match="x contains NaN"):
@@ -236,6 +246,61 @@ def test_bad_inputs():
 
 def test_float16_and_float32_inputs():
     x = gaussian((64, 16), 9)
-    q = KIVI(16, 4, "key", 8, 32)
+    q = ExactKIVI(16, 4, "key", 8, 32)
     for dt in (np.float16, np.float32):
         assert q.encode(x.astype(dt)) == q.encode(x.astype(dt).astype(np.float64))
+
+
+# --- the official defaults ----------------------------------------------------------------------------
+@pytest.mark.parametrize("n,kept_k,kept_v", [(100, 100, 100), (128, 0, 128), (300, 44, 128), (301, 45, 128),
+                                             (400, 16, 128)])
+def test_default_windows_are_kivis(n, kept_k, kept_v):
+    """Keys: the newest n mod R stay float16; values: the newest min(n, R), a sliding window."""
+    x = gaussian((n, 32), 3)
+    for role, kept in (("key", kept_k), ("value", kept_v)):
+        q = KIVI(32, 2, role)
+        assert q.split(n) == (n - kept, kept)
+        enc = q.encode(x)
+        assert np.array_equal(enc.arrays["residual"], x[n - kept:].astype(F16))
+        assert np.array_equal(q.decode(enc)[n - kept:], x[n - kept:].astype(F16).astype(np.float32))
+    assert ExactKIVI(32, 2, "value").split(300) == (256, 44)  # the block window keeps n mod R
+
+
+def test_default_rule_is_float16_arithmetic_and_reencoding_moves_codes_by_at_most_one():
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((2, 256, 64)) * np.exp(rng.uniform(-3, 3, (1, 1, 64))) + rng.uniform(-5, 5, 64)
+    for role in ("key", "value"):
+        q = KIVI(64, 2, role, residual=128)
+        assert not q.idempotent
+        enc = q.encode(x)
+        exact = ExactKIVI(64, 2, role, residual=128, value_window="sliding").encode(x)
+        codes = lambda e: unpack_codes(e.arrays["codes"], 2, e.arrays["codes"].shape[-1] * 4)
+        a, b = codes(enc).astype(int), codes(exact).astype(int)
+        assert np.abs(a - b).max() <= 1 and np.mean(a != b) < 0.02  # the two rules differ only near boundaries
+        again = codes(q.encode(q.decode(enc))).astype(int)
+        assert np.abs(again - a).max() <= 1
+        err = q.decode(enc) - x
+        scale = np.repeat(enc.arrays["scales"].astype(np.float64), 32, axis=-2 if role == "key" else -1)
+        nq = q.split(256)[0]
+        # half a step, plus the float16 roundings of x, x - mn and (x - mn)/scale (each <= 2^-11 relative,
+        # of values <= L * scale = 3 * scale) and of the decoded float32
+        slack = 2.0**-11 * (np.abs(x[..., :nq, :]) + 2 * 3 * scale) + 1e-6
+        assert np.all(np.abs(err[..., :nq, :]) <= 0.5 * scale + slack)
+
+
+def test_constant_group_official_rule_decodes_to_its_float16_value():
+    x = np.full((64, 8), 0.3)
+    for role in ("key", "value"):
+        q = KIVI(8, 2, role, group=8, residual=64, value_window="block")
+        enc = q.encode(x)
+        assert np.all(enc.arrays["scales"] == 0)
+        assert np.array_equal(q.decode(enc), np.full((64, 8), F16(0.3), np.float32))
+
+
+def test_official_rule_refuses_value_groups_that_do_not_divide_dim():
+    with pytest.raises(ValueError, match="divide dim"):
+        KIVI(10, 2, "value", group=4)
+    with pytest.raises(ValueError, match="rule"):
+        KIVI(8, rule="float16")
+    with pytest.raises(ValueError, match="value_window"):
+        KIVI(8, value_window="fixed")

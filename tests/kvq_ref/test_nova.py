@@ -19,11 +19,16 @@ D = 32
 
 
 @pytest.fixture(scope="module")
-def model():
+def calibrated():
     gen = generator(D, seed=5)
     seqs = [sequence(gen, 4, 2, 400, s) for s in range(3)]
     stats, m = calibrate(seqs, D, iterations=8, seed=1)
-    return gen, m
+    return gen, m, seqs, stats
+
+
+@pytest.fixture(scope="module")
+def model(calibrated):
+    return calibrated[:2]
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +40,8 @@ def held_out(model):
 def test_scores_and_sums_never_inverse_transform_but_agree(model, held_out):
     _, m = model
     q, k, v = held_out
-    for role, x in (("key", k[0]), ("value", v[0])):
-        nk = NovaKV(m.head(0, 0), role)
+    for role, x, kw in (("key", k[0], {}), ("value", v[0], {"values": "vq"}), ("value", v[0], {})):
+        nk = NovaKV(m.head(0, 0), role, **kw)
         enc = nk.encode(x)
         dec = nk.decode(enc).astype(np.float64)
         qq = q[0, :5]
@@ -66,18 +71,24 @@ def test_logit_error_is_coefficient_error(model, held_out):
 def test_rates_and_band_accounting(model):
     _, m = model
     x = np.random.default_rng(3).standard_normal((64, D))
-    assert NovaKV(m.head(0, 0), "key").encode(x).bits_per_element == 2 + 16 / D
-    assert NovaKV(m.head(0, 0), "value").encode(x).bits_per_element == 2 + 32 / D
-    assert Oscar(m.head(0, 0), "key").encode(x).bits_per_element == 2 + 32 / D  # one group of D channels
+    assert NovaKV(m.head(0, 0), "key").encode(x).bits_per_element == 2 + 32 / D  # float32 gain, as released
+    assert NovaKV(m.head(0, 0), "key", gain_dtype="float16").encode(x).bits_per_element == 2 + 16 / D
+    assert NovaKV(m.head(0, 0), "value", values="vq").encode(x).bits_per_element == 2 + 32 / D
+    assert NovaKV(m.head(0, 0), "value").encode(x).bits_per_element == 2 + 64 / D  # the release's INT2
+    # one group of D channels: float32 scale and zero (OSCAR's release script), float16 ones (rule="uniform")
+    assert Oscar(m.head(0, 0), "key").encode(x).bits_per_element == 2 + 64 / D
+    assert Oscar(m.head(0, 0), "key", rule="uniform").encode(x).bits_per_element == 2 + 32 / D
     # REFERENCE: 2.22 (NOVA-KV) and 2.28 (OSCAR) at 128K tokens with a 16-bit band of 64 + 256 tokens and
-    # d = 128: per-token rates from the stored layout, band tokens at 16 bits
+    # d = 128, counting 16-bit gains and scales (gain_dtype="float16", rule="uniform"): per-token rates
+    # from the stored layout, band tokens at 16 bits
     n, band = 131072, 64 + 256
     nova = (16 * band + (n - band) * ((2 + 16 / 128) + (2 + 32 / 128)) / 2) / n
     oscar = (16 * band + (n - band) * (2 + 32 / 128)) / n
     assert round(nova, 2) == 2.22 and round(oscar, 2) == 2.28
     # and QuantizedKV's stored accounting follows the same formula
     y = np.random.default_rng(4).standard_normal((1000, D))
-    cache = QuantizedKV.build(y, y, NovaKV(m.head(0, 0), "key"), NovaKV(m.head(0, 0), "value"), sink=64, window=256)
+    cache = QuantizedKV.build(y, y, NovaKV(m.head(0, 0), "key", gain_dtype="float16"),
+                              NovaKV(m.head(0, 0), "value", values="vq"), sink=64, window=256)
     bits = cache.bits_per_element()
     expected = (16 * band + (1000 - band) * ((2 + 16 / D) + (2 + 32 / D)) / 2) / 1000
     assert bits["total"] == pytest.approx(expected, rel=1e-12)
@@ -130,7 +141,13 @@ def test_validation(model):
         NovaKV(m.head(0, 0), "key").decode(Encoded(enc.method, enc.config, enc.shape,
                                                    {"codes": enc.arrays["codes"]}))
     with pytest.raises(ValueError, match="clip quantile must be"):
-        Oscar(m.head(0, 0), clip=0.3)
+        Oscar(m.head(0, 0), clip=0.3, clip_mode="quantile")
+    with pytest.raises(ValueError, match="clip ratio must be"):
+        Oscar(m.head(0, 0), clip=0.0)
+    with pytest.raises(ValueError, match="rule"):
+        Oscar(m.head(0, 0), rule="int2")
+    with pytest.raises(ValueError, match="value gains"):
+        NovaKV(m.head(0, 0), "value", gain_dtype="float16")
     with pytest.raises(ValueError, match="need integer bits, g >= 1"):
         calibrate([{}], D, g=3)
     with pytest.raises(ValueError, match=r"saw 100 key tokens .* codebooks \(2\^\(bits\*g\) = 256 centroids\) need at least 256"):
@@ -154,3 +171,51 @@ def test_cli_calibrate(tmp_path, capsys):
     (tmp_path / "junk.safetensors").write_bytes(b"junk")
     assert codebooks_main(["calibrate", "--qkv", str(tmp_path / "junk.safetensors"), "--out", str(tmp_path / "e")]) == 2
     assert "not a readable safetensors file" in capsys.readouterr().err
+
+
+def test_oscar_clip_is_symmetric_at_the_order_statistic(model):
+    """Default clip: every row at +-(the (c+1)-th smallest |y|), c = int(0.96 d); quantile mode differs."""
+    _, m = model
+    q = Oscar(m.head(0, 0), "key", rows="float64")
+    x = np.random.default_rng(8).standard_normal((40, D)) * 2
+    y = q.rotate(x)
+    c = int(0.96 * D)
+    thr = np.sort(np.abs(y.astype(np.float32)), axis=1)[:, c].astype(np.float64)
+    yc = q.clipped(y)
+    assert np.array_equal(np.abs(yc).max(axis=1), thr)
+    assert np.all(np.count_nonzero(np.abs(y.astype(np.float32)) > thr[:, None], axis=1) <= D - 1 - c)
+    old = Oscar(m.head(0, 0), "key", clip_mode="quantile", rows="float64").clipped(y)
+    assert not np.array_equal(old, yc)
+    # bfloat16 rows (the release) stay within one bfloat16 step of the float64 rotation
+    yb = Oscar(m.head(0, 0), "key").rotate(x)
+    assert np.all(np.abs(yb - y) <= 2.0**-7 * np.abs(y) + 2.0**-7 * np.abs(x).max())
+
+
+def test_release_values_are_oscar_int2_on_the_k_sigma_k_weighted_statistic(calibrated, held_out):
+    """Default NovaKV values: OSCAR's INT2 after the per-layer rotation of sum_t (k^T Sigma_q k) v v^T
+    (uncentred, over the layer's KV heads), checked against an independent computation."""
+    _, m, seqs, stats = calibrated
+    from codebooks.transforms import oscar_rotation
+
+    num, den = np.zeros((D, D)), 0.0
+    for seq in seqs:
+        _, k, v = seq[0]
+        for h in range(k.shape[0]):
+            sq = stats.head(0, h).sigma_q
+            w = np.array([kt @ sq @ kt for kt in k[h]])
+            num += sum(wt * np.outer(vt, vt) for wt, vt in zip(w, v[h]))
+            den += w.sum()
+    want = oscar_rotation(num / den)
+    for h in (0, 1):
+        np.testing.assert_allclose(m.head(0, h).nova_value, want, atol=1e-9)
+    _, _, v = held_out
+    nv = NovaKV(m.head(0, 1), "value")
+    enc = nv.encode(v[1])
+    ref = Oscar(m.head(0, 1), "value", rotation="nova").encode(v[1])
+    assert enc.arrays.keys() == ref.arrays.keys()
+    assert all(np.array_equal(enc.arrays[a], ref.arrays[a]) for a in ref.arrays)
+    np.testing.assert_array_equal(nv.decode(enc), Oscar(m.head(0, 1), "value", rotation="nova").decode(ref))
+    with pytest.raises(ValueError, match="values must be"):
+        NovaKV(m.head(0, 0), "value", values="int4")
+    with pytest.raises(ValueError, match="role must be 'value'"):
+        Oscar(m.head(0, 0), "key", rotation="nova")

@@ -1,4 +1,9 @@
-"""kvq_ref.quarot: randomized Hadamard + clipped asymmetric per-token groups."""
+"""kvq_ref.quarot: Hadamard rotation + asymmetric per-token groups.
+
+Most laws here are those of our variant (``ExactQuaRot``: ``rule="exact"``, ``rotation="randomized"``,
+clip 0.95, the earlier defaults); the official defaults are checked bit for bit against QuaRot's code
+in tests/interop/test_quarot.py and for their laws at the end of this file.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +23,11 @@ from kvq_ref.uniform import dequantize
 F16 = np.float16
 
 
+def ExactQuaRot(*args, **kw):
+    """QuaRot with our exact rule, the seeded randomized Hadamard and clip 0.95."""
+    return QuaRot(*args, **{"rule": "exact", "rotation": "randomized", "clip_ratio": 0.95, **kw})
+
+
 def gaussian(shape, seed=0):
     return np.random.default_rng(seed).standard_normal(shape)
 
@@ -28,26 +38,26 @@ dims_groups = st.sampled_from([(16, 16), (64, 32), (96, 128), (96, 32), (128, 12
 @pytest.mark.parametrize("bits", range(1, 9))
 @pytest.mark.parametrize("dim, group", [(128, 128), (128, 64), (128, 32), (96, 128), (96, 32)])
 def test_rate_is_bits_plus_32_over_group(bits, dim, group):
-    q = QuaRot(dim, bits, group)
+    q = ExactQuaRot(dim, bits, group)
     enc = q.encode(gaussian((5, 3, dim)))
     g = min(group, dim)
     assert enc.bits_per_element == 8 * enc.nbytes / enc.elements == bits + 32 / g
 
 
 def test_published_int2_rate():
-    assert QuaRot(128, 2, 128).encode(gaussian((7, 128))).bits_per_element == 2.25
+    assert ExactQuaRot(128, 2, 128).encode(gaussian((7, 128))).bits_per_element == 2.25
 
 
 def test_idempotent_only_without_clipping():
-    assert QuaRot(64, clip_ratio=1.0).idempotent and QuaRot(64, clip_ratio=1).idempotent
-    assert not QuaRot(64, clip_ratio=0.95).idempotent
+    assert ExactQuaRot(64, clip_ratio=1.0).idempotent and ExactQuaRot(64, clip_ratio=1).idempotent
+    assert not ExactQuaRot(64, clip_ratio=0.95).idempotent
 
 
 @given(dims_groups, st.integers(1, 8), st.integers(0, 2**32 - 1), st.sampled_from([1e-3, 1.0, 40.0]),
-       st.sampled_from(["hadamard", "haar"]))
+       st.sampled_from(["randomized", "haar"]))
 def test_exact_fixed_point_at_clip_one(dg, bits, seed, scale, rotation):
     dim, group = dg
-    q = QuaRot(dim, bits, group, clip_ratio=1.0, rotation=rotation, seed=seed % 7)
+    q = ExactQuaRot(dim, bits, group, clip_ratio=1.0, rotation=rotation, seed=seed % 7)
     x = scale * gaussian((6, dim), seed)
     enc = q.encode(x)
     assert q.encode(q.decode(enc)) == enc
@@ -59,7 +69,7 @@ def test_clipping_shrinks_the_stored_range_by_the_clip_ratio_on_re_encode(dg, bi
     [m, m + L s]; re-encoding clips that span again, so m' ~ c m and L s' ~ c L s, up to float16
     rounding (one float16 step of m', L half-steps of s') and float32 decoding (~1e-7 |y|)."""
     dim, group = dg
-    q = QuaRot(dim, bits, group, clip_ratio=c)
+    q = ExactQuaRot(dim, bits, group, clip_ratio=c)
     x = gaussian((8, dim), seed)
     g, L = q.g, 2**bits - 1
     y = q.rot.apply(x).reshape(8, dim // g, g)
@@ -80,7 +90,7 @@ def test_clipping_shrinks_the_stored_range_by_the_clip_ratio_on_re_encode(dg, bi
 @pytest.mark.parametrize("bits", [6, 8])
 def test_rotated_domain_errors_follow_the_uniform_law(bits):
     """Theory: at high rate the non-extreme rounding errors of y = R x are ~ Uniform(-s/2, s/2)."""
-    q = QuaRot(128, bits, 32, clip_ratio=1.0)
+    q = ExactQuaRot(128, bits, 32, clip_ratio=1.0)
     x = gaussian((3000, 128), 11)
     enc = q.encode(x)
     xh = q.decode(enc).astype(float)
@@ -97,7 +107,7 @@ def test_rotated_domain_errors_follow_the_uniform_law(bits):
 
 
 def test_stored_arrays_follow_the_uniform_rule_on_rotated_vectors():
-    q = QuaRot(64, 3, 16, clip_ratio=0.9, seed=3)
+    q = ExactQuaRot(64, 3, 16, clip_ratio=0.9, seed=3)
     x = gaussian((5, 64), 12)
     enc = q.encode(x)
     a = enc.arrays
@@ -107,9 +117,9 @@ def test_stored_arrays_follow_the_uniform_rule_on_rotated_vectors():
     assert np.allclose(a["minima"].astype(float), 0.9 * y.min(-1), rtol=2**-10, atol=1e-7)
 
 
-@pytest.mark.parametrize("rotation", ["hadamard", "haar"])
+@pytest.mark.parametrize("rotation", ["randomized", "haar"])
 def test_scores_and_accumulate_in_the_rotated_domain(rotation):
-    q = QuaRot(96, 4, 32, rotation=rotation, seed=5)
+    q = ExactQuaRot(96, 4, 32, rotation=rotation, seed=5)
     enc = q.encode(gaussian((2, 30, 96), 13))
     xh = q.decode(enc).astype(float).reshape(60, 96)
     qs = gaussian((4, 96), 14)
@@ -126,7 +136,7 @@ def test_scores_and_accumulate_in_the_rotated_domain(rotation):
 
 @pytest.mark.parametrize("shape", [(1, 64), (54, 64), (97, 64), (64,), (2, 3, 5, 64)])
 def test_odd_shapes_and_zero_vectors(shape):
-    q = QuaRot(64, 2, 64)
+    q = ExactQuaRot(64, 2, 64)
     x = gaussian(shape, 16)
     y = q.decode(q.encode(x))
     assert y.shape == x.shape and y.dtype == np.float32 and np.all(np.isfinite(y))
@@ -137,7 +147,7 @@ def test_odd_shapes_and_zero_vectors(shape):
 
 
 def test_corrupted_encodings_are_refused():
-    q = QuaRot(32, 3, 16)
+    q = ExactQuaRot(32, 3, 16)
     enc = q.encode(gaussian((6, 32), 17))
     a = enc.arrays
     for arrays in ({k: v for k, v in a.items() if k != "minima"}, a | {"scales": a["scales"].astype(np.float32)},
@@ -145,7 +155,7 @@ def test_corrupted_encodings_are_refused():
                    a | {"residual": np.zeros(1, F16)}):
         with pytest.raises(ValueError):
             q.decode(Encoded(enc.method, enc.config, enc.shape, arrays))
-    for other in (QuaRot(32, 3, 16, seed=1), QuaRot(32, 3, 16, clip_ratio=1.0), QuaRot(32, 3, 8)):
+    for other in (ExactQuaRot(32, 3, 16, seed=1), ExactQuaRot(32, 3, 16, clip_ratio=1.0), ExactQuaRot(32, 3, 8)):
         with pytest.raises(ValueError, match="config"):
             other.decode(enc)
     with pytest.raises(ValueError, match="made by"):
@@ -159,19 +169,53 @@ def test_corrupted_encodings_are_refused():
 ])
 def test_bad_parameters(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        QuaRot(**(dict(dim=64) | kwargs))
+        ExactQuaRot(**(dict(dim=64) | kwargs))
 
 
 def test_group_is_capped_at_dim():
-    q = QuaRot(96, 2, 128)
+    q = ExactQuaRot(96, 2, 128)
     assert q.g == 96 and q.encode(gaussian((3, 96))).arrays["scales"].shape == (3, 1)
 
 
 def test_bad_inputs():
-    q = QuaRot(16)
+    q = ExactQuaRot(16)
     x = gaussian((4, 16))
     x[0, 0] = np.inf
     with pytest.raises(ValueError, match="x contains NaN or Inf"):
         q.encode(x)
     with pytest.raises(ValueError, match="last dimension 16"):
         q.encode(gaussian((4, 8)))
+
+
+# --- the official defaults ----------------------------------------------------------------------------
+def test_defaults_are_quarots_kernel():
+    q = QuaRot(128, 2)
+    assert (q.rule, q.rotation, q.clip_ratio) == ("kernel", "hadamard", 1.0) and not q.idempotent
+    H = q.rot.matrix() * math.sqrt(128)  # the plain Sylvester matrix, no signs, no permutation
+    idx = np.arange(128)
+    np.testing.assert_allclose(H, (-1.0) ** np.array([[bin(i & j).count("1") for j in idx] for i in idx]),
+                               atol=1e-12)
+    x = gaussian((50, 128), 4) * 3 + 1
+    enc = q.encode(x)
+    assert enc.bits_per_element == 2.25
+    y = q.rotate(x)
+    assert np.array_equal(y, y.astype(F16).astype(np.float64))  # the rotated rows are float16
+    y_hat = q._rotated(enc)
+    s = enc.arrays["scales"].astype(np.float64)
+    # half a step plus the float16 roundings of y + zero and of the quotient (<= 2^-11 of L * s each)
+    assert np.all(np.abs(y_hat - y) <= s * (0.5 + 2 * 3 * 2.0**-11) + 1e-9)
+    again = q.encode(q.decode(enc))  # not idempotent: codes may move by one step
+    a, b = (unpack_codes(e.arrays["codes"], 2, 128).astype(int) for e in (enc, again))
+    assert np.abs(a - b).max() <= 1
+
+
+def test_kernel_rule_constant_rows_and_refusals():
+    q = QuaRot(64, 4, rotation="randomized")
+    enc = q.encode(np.zeros((3, 64)))
+    assert np.all(enc.arrays["scales"] == F16(F16(1e-5) / F16(15))) and np.all(q.decode(enc) == 0)
+    with pytest.raises(ValueError, match="does not clip"):
+        QuaRot(64, clip_ratio=0.95)
+    with pytest.raises(ValueError, match="power-of-two"):
+        QuaRot(96)
+    with pytest.raises(ValueError, match="rule"):
+        QuaRot(64, rule="fake")

@@ -1,0 +1,63 @@
+"""Hypothesis strategies for realistic K/V: offsets, outlier channels, heavy tails, zeros, ties.
+
+Real keys have per-channel offsets and a few channels 10-60x larger than the median (REFERENCE.md
+section 9; Gemma's global layers reach 63x), tokens with heavy-tailed norms, and exact zeros; kernels
+break on exactly these: a zero row puts every rotated coordinate on the middle threshold, and
+values exactly on a threshold or a half step test the tie rules.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import strategies as st
+
+__all__ = ["kv_arrays", "kv_pairs", "threshold_ties"]
+
+
+@st.composite
+def kv_arrays(draw, d: int, n=st.integers(1, 64), dtype=np.float64, ties=None):
+    """Token rows (n, d): offset channels, outlier channels, heavy-tailed norms, zero rows and ties.
+
+    d : int; n : int or strategy; dtype : float16 rows are rounded (and kept finite);
+    ties : optional 1-D array of values (e.g. ``threshold_ties``) written at random positions.
+    """
+    n = draw(n) if isinstance(n, st.SearchStrategy) else int(n)
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    scale = draw(st.sampled_from([1e-3, 1.0, 30.0]))
+    x = rng.standard_normal((n, d))
+    if draw(st.booleans()):  # per-channel offsets (keys after RoPE keep channel means)
+        x += rng.uniform(-3, 3, d)
+    k = draw(st.integers(0, min(4, d)))  # outlier channels, 8-64x
+    if k:
+        x[:, rng.choice(d, k, replace=False)] *= rng.uniform(8, 64, k)
+    if draw(st.booleans()):  # heavy-tailed token norms (Student t, 2 degrees of freedom)
+        x *= np.abs(rng.standard_t(2, (n, 1))).clip(0.05, 50)
+    x *= scale
+    zeros = draw(st.lists(st.integers(0, n - 1), max_size=2))
+    x[zeros] = 0.0
+    if ties is not None and len(ties):
+        pos = rng.integers(0, x.size, min(x.size, 2 * len(ties)))
+        x.flat[pos] = np.resize(np.asarray(ties, dtype=np.float64), pos.size)
+    if np.dtype(dtype) == np.float16:
+        x = np.clip(x, -6e4, 6e4)
+    return x.astype(dtype)
+
+
+@st.composite
+def kv_pairs(draw, d: int, n=st.integers(1, 64), dtype=np.float64):
+    """(K, V) of the same shape from ``kv_arrays`` (values without the key offsets' structure tied)."""
+    n = draw(n) if isinstance(n, st.SearchStrategy) else int(n)
+    return draw(kv_arrays(d, n, dtype)), draw(kv_arrays(d, n, dtype))
+
+
+def threshold_ties(thresholds, scale: float = 1.0, step: float | None = None) -> np.ndarray:
+    """Values exactly on a quantizer's decision points, for ``kv_arrays(ties=...)``.
+
+    thresholds : a codebook's thresholds (times ``scale``), and with ``step`` the half steps
+    ``(k + 1/2) step`` of a uniform grid, k = -4..4 (exact float16 ties of min/max rules).
+    """
+    out = [np.asarray(thresholds, dtype=np.float64) * scale]
+    if step is not None:
+        out.append((np.arange(-4, 5) + 0.5) * step)
+    return np.concatenate(out)
