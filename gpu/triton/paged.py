@@ -1,0 +1,372 @@
+"""Split-sequence (flash-decoding) attention over a paged TurboQuantMSE cache (Triton).
+
+Layout (``PagedLayout``): encoded tokens live in pages of ``P`` token slots; page ``p`` holds, per
+KV head ``h``, the rows ``codes[p, h, 0:P, 0:row_bytes]`` (uint8, kvq_ref's little-endian bit stream
+of ``kvq_ref.packing``, zero-padded to ``row_bytes``, a multiple of 4) and ``norms[p, h, 0:P]``.
+A sequence ``b`` owns the pages ``block_table[b, 0:ceil(seq_lens[b] / P)]`` in token order; its
+encoded token ``t`` is slot ``t % P`` of page ``block_table[b, t // P]`` (page offsets in int64).
+The 16-bit band (sink and recent-window tokens) is kept apart, ``band_k/band_v (B, H, C, d)``
+float16 or bfloat16, of which the first ``band_lens[b]`` slots are valid in any order (a ring
+buffer: softmax attention does not depend on token order).
+
+Schedule:
+
+1. ``_split_kernel``, grid ``(B, H, S + 1)``: program ``(b, h, s < S)`` attends the ``G`` queries of
+   KV head ``h`` (times ``T`` query tokens) to the encoded tokens ``[s C, (s + 1) C)`` of sequence
+   ``b`` (``C`` = chunk, a multiple of the tile ``BLOCK_N``) in the key rotation's domain, and writes
+   its running max ``m``, sum ``l`` and value sum (value rotation's domain) to a workspace; program
+   ``(b, h, S)`` does the same for the band (original domain). Per tile of ``BLOCK_N`` tokens it
+   loads each row's packed codes as 32-bit words (16-byte vector loads when ``row_bytes`` is a
+   multiple of 16 and the code width is 2 or 4), unpacks them in registers, maps codes to levels by
+   a select tree over levels held in registers (kernel arguments), computes the scores and the value
+   sums with ``tl.dot`` (queries padded to 16 rows), and folds the value norm into the softmax weight.
+2. ``_merge_kernel``, grid ``(B, H)``: combines the ``S`` encoded partials by log-sum-exp, applies the
+   inverse value rotation ``R_v^T`` once, merges the band partial the same way, divides, and stores
+   in the query's dtype.
+
+Empty splits, tiles past a sequence's end and fully masked (causal) tiles leave ``m = -inf``,
+``l = 0``; every exponent is taken against a finite reference (0 when the max is ``-inf``), so they
+merge as nothing. A query row that sees no token at all gets output 0 (never NaN).
+
+Math is kvq_ref's (``kvq_ref.attention.attention_decode``): levels from the exported tables, the
+rotation's signs and permutation from ``kvq_ref.rotations``, packing from ``kvq_ref.packing``; this
+module owns only the schedule. Precision: float32 levels, norms, products, exp and sums; ``tl.dot``
+uses ``input_precision`` (``"ieee"``: float32 FMA, or ``"tf32x3"`` on tensor cores, relative error
+about 2^-21 per product).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .codes import fwht_tile
+
+__all__ = ["H200_SMS", "SplitPlan", "plan_splits", "row_words", "row_bytes_for", "launch_paged",
+           "default_blocks"]
+
+H200_SMS = 132          # streaming multiprocessors of an H200 (SXM), planned for when no GPU is present
+TARGET_WAVES = 3        # programs per SM the split heuristic aims for at low batch (2-4 waves)
+MIN_CHUNK = 256         # fewest encoded tokens a split gets (its fixed cost: query rotation, workspace)
+MAX_SPLITS = 256        # workspace bound (a CUDA graph keeps one plan)
+
+
+# ---- device helpers ------------------------------------------------------------------------------
+@triton.jit
+def _select(c, W: tl.constexpr, l0, l1, l2, l3, l4, l5, l6, l7, l8, l9, l10, l11, l12, l13, l14, l15):
+    """levels[c] for W-bit codes ``c`` by a select tree over register-held levels (no memory gather)."""
+    b0 = (c & 1) != 0
+    a0 = tl.where(b0, l1, l0)
+    if W == 1:
+        return a0
+    a1 = tl.where(b0, l3, l2)
+    b1 = (c & 2) != 0
+    x0 = tl.where(b1, a1, a0)
+    if W == 2:
+        return x0
+    a2 = tl.where(b0, l5, l4)
+    a3 = tl.where(b0, l7, l6)
+    x1 = tl.where(b1, a3, a2)
+    b2 = (c & 4) != 0
+    y0 = tl.where(b2, x1, x0)
+    if W == 3:
+        return y0
+    a4 = tl.where(b0, l9, l8)
+    a5 = tl.where(b0, l11, l10)
+    a6 = tl.where(b0, l13, l12)
+    a7 = tl.where(b0, l15, l14)
+    x2 = tl.where(b1, a5, a4)
+    x3 = tl.where(b1, a7, a6)
+    y1 = tl.where(b2, x3, x2)
+    return tl.where((c & 8) != 0, y1, y0)
+
+
+@triton.jit
+def _codes_tile(words_ptr, row, tmask, W: tl.constexpr, ROW_WORDS: tl.constexpr, NWORDS: tl.constexpr,
+                BN: tl.constexpr, DP: tl.constexpr):
+    """Codes (BN, DP) int32 of the rows ``row`` (BN,) int64 of a word array with ROW_WORDS words a row.
+
+    W in (2, 4): the first ``DP W / 32`` words of a row in one 2-D load (contiguous, vectorizable),
+    each word split into ``32 / W`` codes with shifts. W == 3: groups of 3 words hold 32 codes
+    (96 bits); code ``c`` of a group sits in the 64-bit pair (w0, w1) for ``c < 11`` and (w1, w2)
+    after. Words at index >= NWORDS (past the row's stream) read as 0.
+    """
+    if W == 3:
+        NG: tl.constexpr = DP // 32
+        g = tl.arange(0, NG)
+        base = words_ptr + row[:, None] * ROW_WORDS + 3 * g[None, :]
+        m = tmask[:, None] & (3 * g < NWORDS)[None, :]
+        w0 = tl.load(base, mask=m, other=0).to(tl.uint32, bitcast=True).to(tl.uint64)
+        w1 = tl.load(base + 1, mask=m & (3 * g + 1 < NWORDS)[None, :], other=0)
+        w1 = w1.to(tl.uint32, bitcast=True).to(tl.uint64)
+        w2 = tl.load(base + 2, mask=m & (3 * g + 2 < NWORDS)[None, :], other=0)
+        w2 = w2.to(tl.uint32, bitcast=True).to(tl.uint64)
+        lo = w0 | (w1 << 32)
+        hi = w1 | (w2 << 32)
+        c = tl.arange(0, 32)
+        first = (c < 11)[None, None, :]
+        sh = tl.where(c < 11, 3 * c, 3 * c - 32).to(tl.uint64)[None, None, :]
+        x = (tl.where(first, lo[:, :, None], hi[:, :, None]) >> sh) & 7
+        return tl.reshape(x, (BN, DP)).to(tl.int32)
+    else:
+        NW: tl.constexpr = DP * W // 32
+        PER: tl.constexpr = 32 // W
+        k = tl.arange(0, NW)
+        words = tl.load(words_ptr + row[:, None] * ROW_WORDS + k[None, :],
+                        mask=tmask[:, None] & (k < NWORDS)[None, :], other=0).to(tl.uint32, bitcast=True)
+        sh = (tl.arange(0, PER) * W).to(tl.uint32)
+        x = (words[:, :, None] >> sh[None, None, :]) & ((1 << W) - 1)
+        return tl.reshape(x, (BN, DP)).to(tl.int32)
+
+
+@triton.jit
+def _online(m_i, l_i, acc, s, v, PREC: tl.constexpr):
+    """One online-softmax step: scores ``s`` (M, BN) (-inf where masked), weighted values ``v`` (BN, D)."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # finite reference: masked rows stay at 0
+    alpha = tl.exp(m_i - ref)
+    p = tl.exp(s - ref[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PREC)
+    return m_new, l_i, acc
+
+
+# ---- kernels -------------------------------------------------------------------------------------
+@triton.jit
+def _split_kernel(q_ptr, q_sb, q_st, q_sh, qpos_ptr,
+                  kc_ptr, kn_ptr, vc_ptr, vn_ptr, bt_ptr, bt_stride, lens_ptr, encpos_ptr, H, P,
+                  bk_ptr, bv_ptr, blens_ptr, bpos_ptr, BC,
+                  kperm_ptr, ksign_ptr, ws_ptr, S, CHUNK, scale, k_inv_sqrt_b,
+                  k0, k1, k2, k3, k4, k5, k6, k7, k8, k9, k10, k11, k12, k13, k14, k15,
+                  v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15,
+                  T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, M_PAD: tl.constexpr, D_PAD: tl.constexpr,
+                  KBITS: tl.constexpr, VBITS: tl.constexpr, KROW_WORDS: tl.constexpr, VROW_WORDS: tl.constexpr,
+                  K_NWORDS: tl.constexpr, V_NWORDS: tl.constexpr, K_LOG_B: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr):
+    """Partial attention of one (sequence, KV head, split); split S is the band. Workspace (fp32):
+    ``ws[b, h, s] = (m (M_PAD,), l (M_PAD,), acc (M_PAD, D_PAD))``."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    s = tl.program_id(2)
+    rows = tl.arange(0, M_PAD)
+    cols = tl.arange(0, D_PAD)
+    cmask = cols < D
+    rmask = rows < T * G
+    qmask = rmask[:, None] & cmask[None, :]
+    q_base = q_ptr + b * q_sb + (rows // G)[:, None] * q_st + h * q_sh + (rows % G)[:, None] * D
+    if CAUSAL:
+        qpos = tl.load(qpos_ptr + b * T + rows // G, mask=rmask, other=0)
+    m_i = tl.full((M_PAD,), float("-inf"), tl.float32)
+    l_i = tl.zeros((M_PAD,), tl.float32)
+    acc = tl.zeros((M_PAD, D_PAD), tl.float32)
+    if s < S:
+        # rotate the queries once: pre[j] = q[perm[j]] signs1[perm[j]], butterflies, 1/sqrt(b) scale signs2
+        kperm = tl.load(kperm_ptr + cols, mask=cmask, other=0)
+        pre = tl.load(q_base + kperm[None, :], mask=qmask, other=0.0).to(tl.float32) \
+            * tl.load(ksign_ptr + kperm, mask=cmask, other=0.0)[None, :]
+        ks2 = tl.load(ksign_ptr + D + cols, mask=cmask, other=0.0)
+        q_rot = fwht_tile(pre, M_PAD, D_PAD, K_LOG_B) * (ks2 * (k_inv_sqrt_b * scale))[None, :]
+        n = tl.load(lens_ptr + b)
+        start = s * CHUNK
+        end = tl.minimum(start + CHUNK, n)
+        if CAUSAL:
+            pos0 = tl.load(encpos_ptr + b)
+        for t0 in range(start, end, BLOCK_N):
+            t = t0 + tl.arange(0, BLOCK_N)
+            tmask = t < end
+            page = tl.load(bt_ptr + b * bt_stride + t // P, mask=tmask, other=0).to(tl.int64)
+            row = (page * H + h) * P + (t % P)
+            kn = tl.load(kn_ptr + row, mask=tmask, other=0.0).to(tl.float32)
+            vn = tl.load(vn_ptr + row, mask=tmask, other=0.0).to(tl.float32)
+            kc = _codes_tile(kc_ptr, row, tmask, KBITS, KROW_WORDS, K_NWORDS, BLOCK_N, D_PAD)
+            klev = _select(kc, KBITS, k0, k1, k2, k3, k4, k5, k6, k7, k8, k9, k10, k11, k12, k13, k14, k15)
+            sc = tl.dot(q_rot, tl.trans(klev), input_precision=PREC) * kn[None, :]
+            valid = tmask[None, :]
+            if CAUSAL:
+                valid = valid & ((pos0 + t)[None, :] <= qpos[:, None])
+            sc = tl.where(valid, sc, float("-inf"))
+            vc = _codes_tile(vc_ptr, row, tmask, VBITS, VROW_WORDS, V_NWORDS, BLOCK_N, D_PAD)
+            vlev = _select(vc, VBITS, v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15)
+            vlev = tl.where(cmask[None, :], vlev, 0.0) * vn[:, None]
+            m_i, l_i, acc = _online(m_i, l_i, acc, sc, vlev, PREC)
+    else:
+        q = tl.load(q_base + cols[None, :], mask=qmask, other=0.0).to(tl.float32) * scale
+        nb = tl.load(blens_ptr + b)
+        for t0 in range(0, nb, BLOCK_B):
+            t = t0 + tl.arange(0, BLOCK_B)
+            tmask = t < nb
+            off = ((b * H + h) * BC + t)[:, None] * D + cols[None, :]
+            lm = tmask[:, None] & cmask[None, :]
+            kb = tl.load(bk_ptr + off, mask=lm, other=0.0).to(tl.float32)
+            sc = tl.dot(q, tl.trans(kb), input_precision=PREC)
+            valid = tmask[None, :]
+            if CAUSAL:
+                bpos = tl.load(bpos_ptr + b * BC + t, mask=tmask, other=0)
+                valid = valid & (bpos[None, :] <= qpos[:, None])
+            sc = tl.where(valid, sc, float("-inf"))
+            vb = tl.load(bv_ptr + off, mask=lm, other=0.0).to(tl.float32)
+            m_i, l_i, acc = _online(m_i, l_i, acc, sc, vb, PREC)
+    w = ws_ptr + ((b * H + h) * (S + 1) + s) * (M_PAD * (D_PAD + 2))
+    tl.store(w + rows, m_i)
+    tl.store(w + M_PAD + rows, l_i)
+    tl.store(w + 2 * M_PAD + rows[:, None] * D_PAD + cols[None, :], acc)
+
+
+@triton.jit
+def _merge_kernel(ws_ptr, out_ptr, o_sb, o_st, o_sh, vperm_ptr, vsign_ptr, H, S, v_inv_sqrt_b,
+                  T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, M_PAD: tl.constexpr,
+                  D_PAD: tl.constexpr, V_LOG_B: tl.constexpr):
+    """Log-sum-exp merge of the S encoded partials, one inverse value rotation, the band partial,
+    the division; output in out's dtype at ``out[b, t, h, g, :]``."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    rows = tl.arange(0, M_PAD)
+    cols = tl.arange(0, D_PAD)
+    cmask = cols < D
+    SZ: tl.constexpr = M_PAD * (D_PAD + 2)
+    base = ws_ptr + (b * H + h) * (S + 1) * SZ
+    m_e = tl.full((M_PAD,), float("-inf"), tl.float32)
+    l_e = tl.zeros((M_PAD,), tl.float32)
+    acc = tl.zeros((M_PAD, D_PAD), tl.float32)
+    for s in range(0, S):
+        w = base + s * SZ
+        m_s = tl.load(w + rows)
+        m_new = tl.maximum(m_e, m_s)
+        ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        a = tl.exp(m_e - ref)
+        c = tl.exp(m_s - ref)
+        l_e = l_e * a + tl.load(w + M_PAD + rows) * c
+        acc = acc * a[:, None] + tl.load(w + 2 * M_PAD + rows[:, None] * D_PAD + cols[None, :]) * c[:, None]
+        m_e = m_new
+    # one inverse value rotation: x[perm[j]] = signs1[perm[j]] (H (signs2 y))[j] / sqrt(b)
+    vperm = tl.load(vperm_ptr + cols, mask=cmask, other=0)
+    vs2 = tl.load(vsign_ptr + D + cols, mask=cmask, other=0.0)
+    vs1 = tl.load(vsign_ptr + vperm, mask=cmask, other=0.0)
+    z = fwht_tile(acc * vs2[None, :], M_PAD, D_PAD, V_LOG_B) * (vs1 * v_inv_sqrt_b)[None, :]
+    wb = base + S * SZ  # the band partial, original domain: read at vperm order to line up with z
+    m_b = tl.load(wb + rows)
+    m = tl.maximum(m_e, m_b)
+    ref = tl.where(m == float("-inf"), 0.0, m)
+    a = tl.exp(m_e - ref)
+    c = tl.exp(m_b - ref)
+    band = tl.load(wb + 2 * M_PAD + rows[:, None] * D_PAD + vperm[None, :], mask=cmask[None, :], other=0.0)
+    num = z * a[:, None] + band * c[:, None]
+    den = l_e * a + tl.load(wb + M_PAD + rows) * c
+    out = num / tl.where(den > 0, den, 1.0)[:, None]
+    rmask = rows < T * G
+    optr = out_ptr + b * o_sb + (rows // G)[:, None] * o_st + h * o_sh + (rows % G)[:, None] * D + vperm[None, :]
+    tl.store(optr, out.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+
+
+# ---- planning ------------------------------------------------------------------------------------
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def row_words(d: int, bits: int) -> int:
+    """32-bit words the kernel reads per row: ``ceil(d bits / 32)``, whole 3-word groups at 3 bits."""
+    if bits == 3:
+        return 3 * -(-d // 32)
+    return -(-d * bits // 32)
+
+
+def row_bytes_for(d: int, bits: int) -> int:
+    """Row stride of the paged layout: the words the kernel reads, rounded up to 16 bytes."""
+    return -(-4 * row_words(d, bits) // 16) * 16
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """How the encoded tokens are cut: ``splits`` chunks of ``chunk`` tokens (multiples of block_n)."""
+
+    splits: int
+    chunk: int
+    block_n: int
+    programs: int
+    waves: float
+
+
+def plan_splits(batch: int, kv_heads: int, max_len: int, block_n: int, num_sms: int | None = None,
+                splits: int | None = None) -> SplitPlan:
+    """Split count for ``batch x kv_heads`` sequences of at most ``max_len`` encoded tokens.
+
+    Heuristic: aim for ``TARGET_WAVES`` (3) programs per SM, ``S = ceil(3 SMs / (batch kv_heads))``,
+    but give every split at least ``MIN_CHUNK`` (256) tokens, at most ``MAX_SPLITS`` splits, and cut
+    no more splits than needed once the chunk is rounded up to whole tiles. At batch 1 x 8 heads
+    on 132 SMs that is 50 splits (400 programs, 3.0 waves) from 12.8K tokens up; at batch 16, 4
+    splits (3.9 waves); from ``batch kv_heads >= 198`` on, one split (no over-splitting at batch 64).
+    ``num_sms`` defaults to the current GPU's count, or 132 (an H200) without one.
+
+    Parameters
+    ----------
+    splits : int, optional
+        Force a split count (>= 1); the chunk is then ``block_n ceil(max_len / (splits block_n))``, so
+        splits past the last tile stay empty (tested: they merge as nothing).
+    """
+    for name, v in (("batch", batch), ("kv_heads", kv_heads), ("block_n", block_n)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    if not isinstance(max_len, int) or max_len < 0:
+        raise ValueError(f"max_len must be a non-negative int, got {max_len!r}")
+    if num_sms is None:
+        num_sms = (torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+                   if torch.cuda.is_available() and not interpreting() else H200_SMS)
+    base = batch * kv_heads
+    tiles = max(1, -(-max_len // block_n))
+    if splits is None:
+        want = -(-TARGET_WAVES * num_sms // base)
+        cap = max(1, max_len // MIN_CHUNK)
+        s = max(1, min(want, cap, MAX_SPLITS))
+        chunk = block_n * -(-tiles // s)
+        s = max(1, -(-max_len // chunk))
+    else:
+        if not isinstance(splits, int) or splits < 1 or splits > 4096:
+            raise ValueError(f"splits must be an int in 1..4096, got {splits!r}")
+        s = splits
+        chunk = block_n * -(-tiles // s)
+    return SplitPlan(s, chunk, block_n, base * (s + 1), base * s / num_sms)
+
+
+def default_blocks(d: int, m_pad: int) -> tuple[int, int, int]:
+    """(block_n, block_band, num_warps) for a GPU: tiles of block_n x d_pad fp32 codes fit 4 warps.
+
+    Interpreter: one large tile (few Python-level steps)."""
+    if interpreting():
+        return 256, 128, 4
+    dp = triton.next_power_of_2(d)
+    bn = 64 if dp <= 64 else (32 if dp <= 128 else 16)
+    return bn, bn, 4
+
+
+def launch_paged(q, kc, kn, vc, vn, block_table, seq_lens, band_k, band_v, band_lens, kparams, vparams,
+                 *, out, scale, plan, q_pos=None, enc_pos0=None, band_pos=None, block_band, num_warps, prec,
+                 workspace=None):
+    """Launch split + merge (checked inputs; see ``gpu.triton.attention.paged_decode_attention``)."""
+    B, T, H, G, D = q.shape
+    m_pad = max(16, triton.next_power_of_2(T * G))
+    d_pad = max(32 if 3 in (kparams.bits, vparams.bits) else 16, triton.next_power_of_2(D))
+    S = plan.splits
+    size = B * H * (S + 1) * m_pad * (d_pad + 2)
+    if workspace is None or workspace.numel() < size:
+        workspace = torch.empty(size, dtype=torch.float32, device=q.device)
+    causal = q_pos is not None
+    dummy = seq_lens  # never read when CAUSAL is off
+    _split_kernel[(B, H, S + 1)](
+        q, q.stride(0), q.stride(1), q.stride(2), q_pos if causal else dummy,
+        kc.view(torch.int32), kn, vc.view(torch.int32), vn, block_table, block_table.stride(0), seq_lens, enc_pos0 if causal else dummy, H,
+        kc.shape[2], band_k, band_v, band_lens, band_pos if causal else dummy, band_k.shape[2],
+        kparams.perm, kparams.signs, workspace, S, plan.chunk, scale, kparams.inv_sqrt_b,
+        *kparams.levels, *vparams.levels,
+        T=T, G=G, D=D, M_PAD=m_pad, D_PAD=d_pad, KBITS=kparams.bits, VBITS=vparams.bits,
+        KROW_WORDS=kc.shape[3] // 4, VROW_WORDS=vc.shape[3] // 4, K_NWORDS=row_words(D, kparams.bits),
+        V_NWORDS=row_words(D, vparams.bits), K_LOG_B=kparams.log_b, BLOCK_N=plan.block_n, BLOCK_B=block_band,
+        CAUSAL=causal, PREC=prec, num_warps=num_warps)
+    _merge_kernel[(B, H)](workspace, out, out.stride(0), out.stride(1), out.stride(2), vparams.perm,
+                          vparams.signs, H, S, vparams.inv_sqrt_b, T=T, G=G, D=D, M_PAD=m_pad, D_PAD=d_pad,
+                          V_LOG_B=vparams.log_b, num_warps=4)
+    return out
