@@ -245,7 +245,7 @@ def decode_attention_mse(q, keys_packed, keys_norms, values_packed, values_norms
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
     m_pad = max(16, triton.next_power_of_2(g))
-    bn_auto, bb_auto, warps_auto = default_blocks(d, m_pad)
+    bn_auto, bb_auto, warps_auto = default_blocks(d, m_pad, max(kq.bits, vq.bits))
     block_n, block_band = block_n or bn_auto, block_band or bb_auto
     for name, b in (("block_n", block_n), ("block_band", block_band)):
         if b < 16 or b & (b - 1):

@@ -59,7 +59,8 @@ MAX_SPLITS = 256        # workspace bound (a CUDA graph keeps one plan)
 # ---- device helpers ------------------------------------------------------------------------------
 @triton.jit
 def _select(c, W: tl.constexpr, l0, l1, l2, l3, l4, l5, l6, l7, l8, l9, l10, l11, l12, l13, l14, l15):
-    """levels[c] for W-bit codes ``c`` by a select tree over register-held levels (no memory gather)."""
+    """levels[c] for W-bit codes in the low bits of ``c`` (higher bits ignored) by a select tree over
+    register-held levels (no memory gather): bit tests and 2^W - 1 selects."""
     b0 = (c & 1) != 0
     a0 = tl.where(b0, l1, l0)
     if W == 1:
@@ -89,7 +90,7 @@ def _select(c, W: tl.constexpr, l0, l1, l2, l3, l4, l5, l6, l7, l8, l9, l10, l11
 @triton.jit
 def _codes_tile(words_ptr, row, tmask, W: tl.constexpr, ROW_WORDS: tl.constexpr, NWORDS: tl.constexpr,
                 BN: tl.constexpr, DP: tl.constexpr):
-    """Codes (BN, DP) int32 of the rows ``row`` (BN,) int64 of a word array with ROW_WORDS words a row.
+    """Codes (BN, DP) uint32 (bits above the low W are junk: ``_select`` tests bits 0..W-1) of the rows ``row`` (BN,) int64 of a word array with ROW_WORDS words a row.
 
     W in (2, 4): the first ``DP W / 32`` words of a row in one 2-D load (contiguous, vectorizable),
     each word split into ``32 / W`` codes with shifts. W == 3: groups of 3 words hold 32 codes
@@ -111,8 +112,8 @@ def _codes_tile(words_ptr, row, tmask, W: tl.constexpr, ROW_WORDS: tl.constexpr,
         c = tl.arange(0, 32)
         first = (c < 11)[None, None, :]
         sh = tl.where(c < 11, 3 * c, 3 * c - 32).to(tl.uint64)[None, None, :]
-        x = (tl.where(first, lo[:, :, None], hi[:, :, None]) >> sh) & 7
-        return tl.reshape(x, (BN, DP)).to(tl.int32)
+        x = tl.where(first, lo[:, :, None], hi[:, :, None]) >> sh
+        return tl.reshape(x.to(tl.uint32), (BN, DP))
     else:
         NW: tl.constexpr = DP * W // 32
         PER: tl.constexpr = 32 // W
@@ -120,19 +121,30 @@ def _codes_tile(words_ptr, row, tmask, W: tl.constexpr, ROW_WORDS: tl.constexpr,
         words = tl.load(words_ptr + row[:, None] * ROW_WORDS + k[None, :],
                         mask=tmask[:, None] & (k < NWORDS)[None, :], other=0).to(tl.uint32, bitcast=True)
         sh = (tl.arange(0, PER) * W).to(tl.uint32)
-        x = (words[:, :, None] >> sh[None, None, :]) & ((1 << W) - 1)
-        return tl.reshape(x, (BN, DP)).to(tl.int32)
+        x = words[:, :, None] >> sh[None, None, :]
+        return tl.reshape(x, (BN, DP))
 
 
 @triton.jit
-def _online(m_i, l_i, acc, s, v, PREC: tl.constexpr):
-    """One online-softmax step: scores ``s`` (M, BN) (-inf where masked), weighted values ``v`` (BN, D)."""
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+def _dot(a, b, PREC: tl.constexpr):
+    """a @ b with float32 accumulation: float16 operands for PREC "fp16", else float32 ones at PREC."""
+    if PREC == "fp16":
+        return tl.dot(a.to(tl.float16), b.to(tl.float16), out_dtype=tl.float32)
+    else:
+        return tl.dot(a, b, input_precision=PREC)
+
+
+@triton.jit
+def _online(m_i, l_i, acc, s, v, vs, PREC: tl.constexpr):
+    """One online-softmax step, transposed (the dequantized tiles are the MMA's A operand): scores
+    ``s`` (BN, M) (-inf where masked), values ``v`` (BN, D) with per-token scales ``vs`` (BN,) folded
+    into the weights: ``acc (D, M) += v^T @ (p * vs)``."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=0))
     ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # finite reference: masked rows stay at 0
     alpha = tl.exp(m_i - ref)
-    p = tl.exp(s - ref[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PREC)
+    p = tl.exp(s - ref[None, :])
+    l_i = l_i * alpha + tl.sum(p, axis=0)
+    acc = acc * alpha[None, :] + _dot(tl.trans(v), p * vs[:, None], PREC)
     return m_new, l_i, acc
 
 
@@ -147,7 +159,8 @@ def _split_kernel(q_ptr, q_sb, q_st, q_sh, qpos_ptr,
                   T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, M_PAD: tl.constexpr, D_PAD: tl.constexpr,
                   KBITS: tl.constexpr, VBITS: tl.constexpr, KROW_WORDS: tl.constexpr, VROW_WORDS: tl.constexpr,
                   K_NWORDS: tl.constexpr, V_NWORDS: tl.constexpr, K_LOG_B: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr):
+                  BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
+                  ALIGNED: tl.constexpr):
     """Partial attention of one (sequence, KV head, split); split S is the band. Workspace (fp32):
     ``ws[b, h, s] = (m (M_PAD,), l (M_PAD,), acc (M_PAD, D_PAD))``."""
     b = tl.program_id(0).to(tl.int64)
@@ -163,7 +176,7 @@ def _split_kernel(q_ptr, q_sb, q_st, q_sh, qpos_ptr,
         qpos = tl.load(qpos_ptr + b * T + rows // G, mask=rmask, other=0)
     m_i = tl.full((M_PAD,), float("-inf"), tl.float32)
     l_i = tl.zeros((M_PAD,), tl.float32)
-    acc = tl.zeros((M_PAD, D_PAD), tl.float32)
+    acc = tl.zeros((D_PAD, M_PAD), tl.float32)  # transposed: (d, query rows)
     if s < S:
         # rotate the queries once: pre[j] = q[perm[j]] signs1[perm[j]], butterflies, 1/sqrt(b) scale signs2
         kperm = tl.load(kperm_ptr + cols, mask=cmask, other=0)
@@ -177,23 +190,26 @@ def _split_kernel(q_ptr, q_sb, q_st, q_sh, qpos_ptr,
         if CAUSAL:
             pos0 = tl.load(encpos_ptr + b)
         for t0 in range(start, end, BLOCK_N):
+            # a tile never crosses a page (P is a multiple of BLOCK_N, or the sequence has one page)
             t = t0 + tl.arange(0, BLOCK_N)
             tmask = t < end
-            page = tl.load(bt_ptr + b * bt_stride + t // P, mask=tmask, other=0).to(tl.int64)
-            row = (page * H + h) * P + (t % P)
+            page = tl.load(bt_ptr + b * bt_stride + t0 // P).to(tl.int64)
+            row0 = (page * H + h) * P + t0 % P
+            if ALIGNED:
+                row0 = tl.multiple_of(row0, BLOCK_N)
+            row = row0 + tl.arange(0, BLOCK_N)
             kn = tl.load(kn_ptr + row, mask=tmask, other=0.0).to(tl.float32)
             vn = tl.load(vn_ptr + row, mask=tmask, other=0.0).to(tl.float32)
             kc = _codes_tile(kc_ptr, row, tmask, KBITS, KROW_WORDS, K_NWORDS, BLOCK_N, D_PAD)
             klev = _select(kc, KBITS, k0, k1, k2, k3, k4, k5, k6, k7, k8, k9, k10, k11, k12, k13, k14, k15)
-            sc = tl.dot(q_rot, tl.trans(klev), input_precision=PREC) * kn[None, :]
-            valid = tmask[None, :]
+            sc = _dot(klev, tl.trans(q_rot), PREC) * kn[:, None]
+            valid = tmask[:, None]
             if CAUSAL:
-                valid = valid & ((pos0 + t)[None, :] <= qpos[:, None])
+                valid = valid & ((pos0 + t)[:, None] <= qpos[None, :])
             sc = tl.where(valid, sc, float("-inf"))
             vc = _codes_tile(vc_ptr, row, tmask, VBITS, VROW_WORDS, V_NWORDS, BLOCK_N, D_PAD)
             vlev = _select(vc, VBITS, v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15)
-            vlev = tl.where(cmask[None, :], vlev, 0.0) * vn[:, None]
-            m_i, l_i, acc = _online(m_i, l_i, acc, sc, vlev, PREC)
+            m_i, l_i, acc = _online(m_i, l_i, acc, sc, vlev, vn, PREC)
     else:
         q = tl.load(q_base + cols[None, :], mask=qmask, other=0.0).to(tl.float32) * scale
         nb = tl.load(blens_ptr + b)
@@ -203,18 +219,18 @@ def _split_kernel(q_ptr, q_sb, q_st, q_sh, qpos_ptr,
             off = ((b * H + h) * BC + t)[:, None] * D + cols[None, :]
             lm = tmask[:, None] & cmask[None, :]
             kb = tl.load(bk_ptr + off, mask=lm, other=0.0).to(tl.float32)
-            sc = tl.dot(q, tl.trans(kb), input_precision=PREC)
-            valid = tmask[None, :]
+            sc = _dot(kb, tl.trans(q), PREC)
+            valid = tmask[:, None]
             if CAUSAL:
                 bpos = tl.load(bpos_ptr + b * BC + t, mask=tmask, other=0)
-                valid = valid & (bpos[None, :] <= qpos[:, None])
+                valid = valid & (bpos[:, None] <= qpos[None, :])
             sc = tl.where(valid, sc, float("-inf"))
             vb = tl.load(bv_ptr + off, mask=lm, other=0.0).to(tl.float32)
-            m_i, l_i, acc = _online(m_i, l_i, acc, sc, vb, PREC)
+            m_i, l_i, acc = _online(m_i, l_i, acc, sc, vb, tl.full((BLOCK_B,), 1.0, tl.float32), PREC)
     w = ws_ptr + ((b * H + h) * (S + 1) + s) * (M_PAD * (D_PAD + 2))
     tl.store(w + rows, m_i)
     tl.store(w + M_PAD + rows, l_i)
-    tl.store(w + 2 * M_PAD + rows[:, None] * D_PAD + cols[None, :], acc)
+    tl.store(w + 2 * M_PAD + rows[None, :] * D_PAD + cols[:, None], acc)
 
 
 @triton.jit
@@ -332,15 +348,20 @@ def plan_splits(batch: int, kv_heads: int, max_len: int, block_n: int, num_sms: 
     return SplitPlan(s, chunk, block_n, base * (s + 1), base * s / num_sms)
 
 
-def default_blocks(d: int, m_pad: int) -> tuple[int, int, int]:
-    """(block_n, block_band, num_warps) for a GPU: tiles of block_n x d_pad fp32 codes fit 4 warps.
+def default_blocks(d: int, m_pad: int, bits: int = 4) -> tuple[int, int, int]:
+    """(block_n, block_band, num_warps) for a GPU: 8 warps and a tile of block_n x d_pad dequantized
+    codes, 16384 codes at <= 2 bits and 8192 above (halved for more than 16 query rows), at most 128
+    tokens: the widest tiles with no register spills on sm_90 (every benchmark configuration is
+    checked by ``tests/gpu/test_static_report.py``); wider tiles amortize the per-tile softmax and
+    layout conversions. ``bits`` is the wider of K and V.
 
     Interpreter: one large tile (few Python-level steps)."""
     if interpreting():
         return 256, 128, 4
     dp = triton.next_power_of_2(d)
-    bn = 64 if dp <= 64 else (32 if dp <= 128 else 16)
-    return bn, bn, 4
+    codes = (16384 if bits <= 2 else 8192) // (1 if m_pad <= 16 else 2)
+    bn = max(16, min(128, codes // dp))
+    return bn, min(bn, 64), 8
 
 
 def launch_paged(q, kc, kn, vc, vn, block_table, seq_lens, band_k, band_v, band_lens, kparams, vparams,
@@ -365,7 +386,7 @@ def launch_paged(q, kc, kn, vc, vn, block_table, seq_lens, band_k, band_v, band_
         T=T, G=G, D=D, M_PAD=m_pad, D_PAD=d_pad, KBITS=kparams.bits, VBITS=vparams.bits,
         KROW_WORDS=kc.shape[3] // 4, VROW_WORDS=vc.shape[3] // 4, K_NWORDS=row_words(D, kparams.bits),
         V_NWORDS=row_words(D, vparams.bits), K_LOG_B=kparams.log_b, BLOCK_N=plan.block_n, BLOCK_B=block_band,
-        CAUSAL=causal, PREC=prec, num_warps=num_warps)
+        CAUSAL=causal, PREC=prec, ALIGNED=kc.shape[2] % plan.block_n == 0, num_warps=num_warps)
     _merge_kernel[(B, H)](workspace, out, out.stride(0), out.stride(1), out.stride(2), vparams.perm,
                           vparams.signs, H, S, vparams.inv_sqrt_b, T=T, G=G, D=D, M_PAD=m_pad, D_PAD=d_pad,
                           V_LOG_B=vparams.log_b, num_warps=4)
