@@ -205,7 +205,8 @@ def decode_attention_mse(q, keys_packed, keys_norms, values_packed, values_norms
     splits : int, optional
         Split count over the encoded tokens (default: ``gpu.triton.paged.plan_splits``).
     precision : str, optional
-        ``tl.dot`` input precision: "ieee" (default) or "tf32x3".
+        ``tl.dot`` operands: "fp16" (default with float16 norms: tensor cores, operands rounded to
+        float16, float32 accumulation), "tf32x3" (default with float32 norms) or "ieee" (float32).
 
     Returns
     -------
@@ -250,9 +251,12 @@ def decode_attention_mse(q, keys_packed, keys_norms, values_packed, values_norms
     for name, b in (("block_n", block_n), ("block_band", block_band)):
         if b < 16 or b & (b - 1):
             raise ValueError(f"{name} must be a power of two >= 16, got {b}")
-    precision = precision or "ieee"
-    if precision not in ("ieee", "tf32x3"):
-        raise ValueError(f"precision must be 'ieee' or 'tf32x3', got {precision!r}")
+    half_norms = kq.norm_dtype == "float16" and vq.norm_dtype == "float16"
+    precision = precision or ("fp16" if half_norms else "tf32x3")
+    if precision not in ("fp16", "tf32x3", "ieee"):
+        raise ValueError(f"precision must be 'fp16', 'tf32x3' or 'ieee', got {precision!r}")
+    if precision == "fp16" and not half_norms:
+        raise ValueError("precision 'fp16' folds value norms into float16 weights: it needs float16 norms")
 
     pages = math.prod(lead)
     out = torch.empty(lead + (g, d), dtype=q.dtype, device=dev)

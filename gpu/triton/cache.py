@@ -268,9 +268,9 @@ def paged_decode_attention(q, cache: PagedKVCache, ktable, vtable, *, q_pos=None
         raise ValueError("precision 'fp16' folds value norms into float16 weights: it needs float16 norms")
     m_pad = max(16, triton.next_power_of_2(T * G))
     bn_auto, bb_auto, warps = default_blocks(d, m_pad, max(kq.bits, vq.bits))
-    block_n = min(block_n or bn_auto, cache.page_size)
-    if block_n < 16 or block_n & (block_n - 1):
-        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+    if block_n is not None and (not isinstance(block_n, int) or block_n < 16 or block_n & (block_n - 1)):
+        raise ValueError(f"block_n must be a power of two >= 16, got {block_n!r}")
+    block_n = min(block_n or bn_auto, cache.page_size)  # a tile never crosses a page
     cap = cache.block_table.shape[1] * cache.page_size
     max_seq_len = cap if max_seq_len is None else int(max_seq_len)
     if not 0 <= max_seq_len <= cap:

@@ -311,11 +311,13 @@ def plan_splits(batch: int, kv_heads: int, max_len: int, block_n: int, num_sms: 
                 splits: int | None = None) -> SplitPlan:
     """Split count for ``batch x kv_heads`` sequences of at most ``max_len`` encoded tokens.
 
-    Heuristic: aim for ``TARGET_WAVES`` (3) programs per SM, ``S = ceil(3 SMs / (batch kv_heads))``,
+    Heuristic: aim for ``TARGET_WAVES`` (3) programs per SM, ``S = round(3 SMs / (batch kv_heads))``
+    (so the grid holds 2 to 4 waves),
     but give every split at least ``MIN_CHUNK`` (256) tokens, at most ``MAX_SPLITS`` splits, and cut
     no more splits than needed once the chunk is rounded up to whole tiles. At batch 1 x 8 heads
     on 132 SMs that is 50 splits (400 programs, 3.0 waves) from 12.8K tokens up; at batch 16, 4
-    splits (3.9 waves); from ``batch kv_heads >= 198`` on, one split (no over-splitting at batch 64).
+    splits (3.9 waves); one split once ``batch kv_heads > 2 SMs`` (264 on an H200, e.g. batch 64 x 8
+    heads: no over-splitting). Any batch gets at most 4 waves unless a single split is already more.
     ``num_sms`` defaults to the current GPU's count, or 132 (an H200) without one.
 
     Parameters
@@ -335,7 +337,7 @@ def plan_splits(batch: int, kv_heads: int, max_len: int, block_n: int, num_sms: 
     base = batch * kv_heads
     tiles = max(1, -(-max_len // block_n))
     if splits is None:
-        want = -(-TARGET_WAVES * num_sms // base)
+        want = (2 * TARGET_WAVES * num_sms + base) // (2 * base)  # round(3 SMs / base), half up
         cap = max(1, max_len // MIN_CHUNK)
         s = max(1, min(want, cap, MAX_SPLITS))
         chunk = block_n * -(-tiles // s)

@@ -134,6 +134,7 @@ def mse_tolerance(q, cache, kq, vq, scale, u=U):
 
 
 def run_mse(q, cache, kq, vq, scale=None, **kw):
+    kw.setdefault("precision", "ieee")  # the float32 tier (test_triton_paged.py checks the fp16 one)
     *arrays, band = to_dev(inputs_from_cache(cache))
     out = decode_attention_mse(torch.tensor(q, dtype=torch.float32, device=DEV), *arrays, kq, vq,
                                table(cache.d, kq.bits), table(cache.d, vq.bits), band=band, scale=scale, **kw)
@@ -180,7 +181,7 @@ def test_mse_decode_batch_and_heads_on_the_grid():
     q = np.stack([x[0] for x in data])
     arrays, band = stacked(caches, (b, h), DEV)
     out = decode_attention_mse(torch.tensor(q, dtype=torch.float32, device=DEV).reshape(b, h, g, d), *arrays,
-                               kq, vq, table(d, 3), table(d, 4), band=band)
+                               kq, vq, table(d, 3), table(d, 4), band=band, precision="ieee")
     assert out.shape == (b, h, g, d)
     out = out.cpu().numpy().reshape(b * h, g, d)
     for i, c in enumerate(caches):
@@ -199,7 +200,7 @@ def test_mse_tolerance_rejects_one_wrong_code():
         bad = [a.clone() for a in arrays]
         bad[which][top, 0] ^= 1
         out = decode_attention_mse(torch.tensor(q, dtype=torch.float32, device=DEV), *bad, kq, vq, table(128, 3),
-                                   table(128, 3), band=band).cpu().numpy()
+                                   table(128, 3), band=band, precision="ieee").cpu().numpy()
         assert np.abs(out - attention_decode(q, cache)).max(axis=1)[0] > 10 * tol[0]
 
 
@@ -345,7 +346,8 @@ def test_gpu_long_cache_many_heads():
     q = np.stack([x[0] for x in data])
     arrays, band = stacked(caches, (b, h), "cuda")
     out = decode_attention_mse(torch.tensor(q, dtype=torch.float32, device="cuda").reshape(b, h, g, d), *arrays,
-                               kq, vq, table(d, 3), table(d, 2), band=band).cpu().numpy().reshape(b * h, g, d)
+                               kq, vq, table(d, 3), table(d, 2), band=band,
+                               precision="ieee").cpu().numpy().reshape(b * h, g, d)
     for i, c in enumerate(caches):
         err = np.abs(out[i] - attention_decode(q[i], c)).max(axis=1)
         assert np.all(err <= mse_tolerance(q[i], c, kq, vq, 1 / math.sqrt(d)))
