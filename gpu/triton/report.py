@@ -26,7 +26,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Config", "BENCH_CONFIGS", "KernelBuild", "build_split", "loop_sass", "estimate", "main"]
+__all__ = ["Config", "BENCH_CONFIGS", "KernelBuild", "build_split", "loop_sass", "loop_loads", "static_report",
+           "estimate", "main"]
 
 H200_CLOCK_GHZ = 1.98        # boost clock of the H200 SXM
 ISSUE_PER_SM_CYCLE = 4       # four warp schedulers per SM, one instruction each per cycle
@@ -154,7 +155,7 @@ def nvdisasm_path() -> str | None:
     try:
         import nvidia
         for root in nvidia.__path__:
-            for p in Path(root).glob("cu*/bin/nvdisasm"):
+            for p in Path(root).glob("*/bin/nvdisasm"):
                 return str(p)
     except ImportError:
         pass
@@ -188,6 +189,34 @@ def loop_sass(cubin: bytes) -> list[str]:
             if sum("FSEL" in x for x in body) > sum("FSEL" in x for x in best):
                 best = body
     return best
+
+
+def loop_loads(loop: list[str]) -> dict:
+    """Global loads of a SASS loop by width in bytes: ``LDG.E.128`` / ``LDGSTS.E.BYPASS.128`` -> 16,
+    ``.64`` -> 8, plain ``LDG.E``/``LDGSTS.E`` -> 4, ``.U16``/``.S16`` -> 2, ``.U8``/``.S8`` -> 1."""
+    out: dict = {}
+    for ins in loop:
+        op = ins.split()[1] if ins.startswith("@") else ins.split()[0]
+        if not op.startswith(("LDG.", "LDGSTS.")):
+            continue
+        m = re.search(r"\.(128|64|U16|S16|U8|S8)\b", op)
+        width = {"128": 16, "64": 8, "U16": 2, "S16": 2, "U8": 1, "S8": 1}[m.group(1)] if m else 4
+        out[width] = out.get(width, 0) + 1
+    return out
+
+
+def static_report(configs=BENCH_CONFIGS) -> list[dict]:
+    """Registers, spills, PTX global loads, and the encoded loop's SASS size and loads by width, for
+    every configuration (picklable rows; ``hopper.in_compile_process`` runs this under the interpreter)."""
+    rows = []
+    for cfg in configs:
+        b = build_split(cfg)
+        loop = loop_sass(b.cubin)
+        rows.append({"config": cfg, "block_n": b.block_n, "num_warps": b.num_warps, "n_regs": b.n_regs,
+                     "spill_stores": b.spill_stores, "spill_loads": b.spill_loads, "ptx_loads": b.loads,
+                     "loop_sass": len(loop), "loop_loads": loop_loads(loop),
+                     "loop_fsel": sum("FSEL" in x for x in loop)})
+    return rows
 
 
 def bytes_per_token_head(d: int, kbits: int, vbits: int, norm_bytes: int = 2) -> int:
