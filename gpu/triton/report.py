@@ -258,12 +258,17 @@ def main(argv=None) -> list:
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     rows = []
+    print(f"model: copy bandwidth {ASSUMED_COPY_GBS:.0f} GB/s (assumed, unmeasured), {H200_CLOCK_GHZ} GHz x "
+          f"{ISSUE_PER_SM_CYCLE} issue/SM/cycle x 132 SMs, {LAUNCH_US} us for the two launches")
     for cfg in BENCH_CONFIGS:
         b = build_split(cfg)
         loop = loop_sass(b.cubin) if nvdisasm_path() else []
         print(b.summary() + (f"; loop {len(loop)} SASS instructions per warp per {b.block_n} tokens" if loop else ""))
         row = {"config": cfg.label, "n_regs": b.n_regs, "spill_bytes": b.spill_stores + b.spill_loads,
-               "loads": b.loads, "block_n": b.block_n, "num_warps": b.num_warps, "loop_sass": len(loop), "model": []}
+               "ptx_loads": b.loads, "loop_loads_by_bytes": loop_loads(loop), "block_n": b.block_n,
+               "num_warps": b.num_warps, "loop_sass": len(loop),
+               "sass_per_token_head": len(loop) * 32 * b.num_warps / b.block_n,
+               "bytes_per_token_head": bytes_per_token_head(cfg.d, cfg.kbits, cfg.vbits), "model": []}
         if loop and cfg.g == 4 and cfg.d == 128:
             for batch in (1, 16):
                 for n in (4096, 32768, 131072):
@@ -274,7 +279,10 @@ def main(argv=None) -> list:
         rows.append(row)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(rows, indent=1) + "\n")
+        meta = {"assumed_copy_gbs": ASSUMED_COPY_GBS, "clock_ghz": H200_CLOCK_GHZ, "sms": 132,
+                "issue_per_sm_cycle": ISSUE_PER_SM_CYCLE, "launch_us": LAUNCH_US, "measured": False,
+                "command": "TRITON_INTERPRET=0 python -m gpu.triton.report --json " + str(args.json)}
+        args.json.write_text(json.dumps({"meta": meta, "configs": rows}, indent=1, default=str) + "\n")
     return rows
 
 
