@@ -88,14 +88,34 @@ def _select(c, W: tl.constexpr, l0, l1, l2, l3, l4, l5, l6, l7, l8, l9, l10, l11
 
 
 @triton.jit
+def _level(c, W: tl.constexpr, SYM: tl.constexpr, HALF: tl.constexpr, l0, l1, l2, l3, l4, l5, l6, l7, l8, l9,
+           l10, l11, l12, l13, l14, l15):
+    """Levels of codes from ``_codes_tile``: the full select tree, or (SYM) the tree over the
+    magnitudes ``l0..`` (the upper half of the table) and the sign from the top bit; HALF selects
+    among float16 levels (the MMA operand type; the scalar casts are loop invariant)."""
+    if HALF:
+        l0, l1, l2, l3, l4, l5, l6, l7 = _half8(l0, l1, l2, l3, l4, l5, l6, l7)
+        l8, l9, l10, l11, l12, l13, l14, l15 = _half8(l8, l9, l10, l11, l12, l13, l14, l15)
+    if SYM:
+        mag = _select(c, W - 1, l0, l1, l2, l3, l4, l5, l6, l7, l8, l9, l10, l11, l12, l13, l14, l15)
+        return tl.where((c & (1 << (W - 1))) != 0, mag, -mag)
+    else:
+        return _select(c, W, l0, l1, l2, l3, l4, l5, l6, l7, l8, l9, l10, l11, l12, l13, l14, l15)
+
+
+@triton.jit
 def _codes_tile(words_ptr, row, tmask, W: tl.constexpr, ROW_WORDS: tl.constexpr, NWORDS: tl.constexpr,
-                BN: tl.constexpr, DP: tl.constexpr):
+                BN: tl.constexpr, DP: tl.constexpr, SYM: tl.constexpr):
     """Codes (BN, DP) uint32 (bits above the low W are junk: ``_select`` tests bits 0..W-1) of the rows ``row`` (BN,) int64 of a word array with ROW_WORDS words a row.
 
     W in (2, 4): the first ``DP W / 32`` words of a row in one 2-D load (contiguous, vectorizable),
     each word split into ``32 / W`` codes with shifts. W == 3: groups of 3 words hold 32 codes
     (96 bits); code ``c`` of a group sits in the 64-bit pair (w0, w1) for ``c < 11`` and (w1, w2)
     after. Words at index >= NWORDS (past the row's stream) read as 0.
+
+    SYM (W in 2, 4; symmetric tables ``level[c] = -level[2^W - 1 - c]``): each code ``c`` comes back
+    as ``c`` if its top bit is set, else with its low ``W - 1`` bits flipped, i.e. the top bit is the
+    sign and the low bits index the magnitudes ``level[2^(W-1) + i]`` (``_level``).
     """
     if W == 3:
         NG: tl.constexpr = DP // 32
@@ -121,8 +141,17 @@ def _codes_tile(words_ptr, row, tmask, W: tl.constexpr, ROW_WORDS: tl.constexpr,
         words = tl.load(words_ptr + row[:, None] * ROW_WORDS + k[None, :],
                         mask=tmask[:, None] & (k < NWORDS)[None, :], other=0).to(tl.uint32, bitcast=True)
         sh = (tl.arange(0, PER) * W).to(tl.uint32)
+        if SYM:  # per code: keep c when its top bit is set, else flip the low W-1 bits (5 ops a word)
+            REP: tl.constexpr = 0x55555555 if W == 2 else 0x11111111
+            words = words ^ ((((~words) >> (W - 1)) & REP) * ((1 << (W - 1)) - 1))
         x = words[:, :, None] >> sh[None, None, :]
         return tl.reshape(x, (BN, DP))
+
+
+@triton.jit
+def _half8(a, b, c, d, e, f, g, h):
+    return (a.to(tl.float16), b.to(tl.float16), c.to(tl.float16), d.to(tl.float16), e.to(tl.float16),
+            f.to(tl.float16), g.to(tl.float16), h.to(tl.float16))
 
 
 @triton.jit
@@ -160,7 +189,7 @@ def _split_kernel(q_ptr, q_sb, q_st, q_sh, qpos_ptr,
                   KBITS: tl.constexpr, VBITS: tl.constexpr, KROW_WORDS: tl.constexpr, VROW_WORDS: tl.constexpr,
                   K_NWORDS: tl.constexpr, V_NWORDS: tl.constexpr, K_LOG_B: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
-                  ALIGNED: tl.constexpr):
+                  ALIGNED: tl.constexpr, KSYM: tl.constexpr, VSYM: tl.constexpr):
     """Partial attention of one (sequence, KV head, split); split S is the band. Workspace (fp32):
     ``ws[b, h, s] = (m (M_PAD,), l (M_PAD,), acc (M_PAD, D_PAD))``."""
     b = tl.program_id(0).to(tl.int64)
@@ -200,15 +229,15 @@ def _split_kernel(q_ptr, q_sb, q_st, q_sh, qpos_ptr,
             row = row0 + tl.arange(0, BLOCK_N)
             kn = tl.load(kn_ptr + row, mask=tmask, other=0.0).to(tl.float32)
             vn = tl.load(vn_ptr + row, mask=tmask, other=0.0).to(tl.float32)
-            kc = _codes_tile(kc_ptr, row, tmask, KBITS, KROW_WORDS, K_NWORDS, BLOCK_N, D_PAD)
-            klev = _select(kc, KBITS, k0, k1, k2, k3, k4, k5, k6, k7, k8, k9, k10, k11, k12, k13, k14, k15)
+            kc = _codes_tile(kc_ptr, row, tmask, KBITS, KROW_WORDS, K_NWORDS, BLOCK_N, D_PAD, KSYM)
+            klev = _level(kc, KBITS, KSYM, False, k0, k1, k2, k3, k4, k5, k6, k7, k8, k9, k10, k11, k12, k13, k14, k15)
             sc = _dot(klev, tl.trans(q_rot), PREC) * kn[:, None]
             valid = tmask[:, None]
             if CAUSAL:
                 valid = valid & ((pos0 + t)[:, None] <= qpos[None, :])
             sc = tl.where(valid, sc, float("-inf"))
-            vc = _codes_tile(vc_ptr, row, tmask, VBITS, VROW_WORDS, V_NWORDS, BLOCK_N, D_PAD)
-            vlev = _select(vc, VBITS, v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15)
+            vc = _codes_tile(vc_ptr, row, tmask, VBITS, VROW_WORDS, V_NWORDS, BLOCK_N, D_PAD, VSYM)
+            vlev = _level(vc, VBITS, VSYM, False, v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15)
             m_i, l_i, acc = _online(m_i, l_i, acc, sc, vlev, vn, PREC)
     else:
         q = tl.load(q_base + cols[None, :], mask=qmask, other=0.0).to(tl.float32) * scale
@@ -388,7 +417,8 @@ def launch_paged(q, kc, kn, vc, vn, block_table, seq_lens, band_k, band_v, band_
         T=T, G=G, D=D, M_PAD=m_pad, D_PAD=d_pad, KBITS=kparams.bits, VBITS=vparams.bits,
         KROW_WORDS=kc.shape[3] // 4, VROW_WORDS=vc.shape[3] // 4, K_NWORDS=row_words(D, kparams.bits),
         V_NWORDS=row_words(D, vparams.bits), K_LOG_B=kparams.log_b, BLOCK_N=plan.block_n, BLOCK_B=block_band,
-        CAUSAL=causal, PREC=prec, ALIGNED=kc.shape[2] % plan.block_n == 0, num_warps=num_warps)
+        CAUSAL=causal, PREC=prec, ALIGNED=kc.shape[2] % plan.block_n == 0, KSYM=kparams.sym, VSYM=vparams.sym,
+        num_warps=num_warps)
     _merge_kernel[(B, H)](workspace, out, out.stride(0), out.stride(1), out.stride(2), vparams.perm,
                           vparams.signs, H, S, vparams.inv_sqrt_b, T=T, G=G, D=D, M_PAD=m_pad, D_PAD=d_pad,
                           V_LOG_B=vparams.log_b, num_warps=4)

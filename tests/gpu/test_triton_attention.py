@@ -323,12 +323,11 @@ def test_nova_refuses_mismatches(nova):
 
 # --- Hopper builds and the GPU -------------------------------------------------------------------------
 def test_hopper_compile_registers_and_spills():
-    """sm_90 builds of every kernel (under the interpreter each in a fresh TRITON_INTERPRET=0 process,
-    ``hopper.in_compile_process``); print registers and spills."""
-    mse_a = att.hopper_builds(d=128, g=4, kbits=3, vbits=2)
-    mse_b = att.hopper_builds(d=80, g=3, kbits=4, vbits=3)
+    """sm_90 builds of the NOVA kernels (under the interpreter in a fresh TRITON_INTERPRET=0 process,
+    ``hopper.in_compile_process``); print registers and spills. The decode-attention kernels are
+    checked at every benchmark configuration by ``test_static_report.py``."""
     nova = tnova.hopper_builds(d=128, m=4)
-    for r in (mse_a, mse_b, *nova):
+    for r in nova:
         print(r.summary())
         assert r.n_regs <= 255 and r.spill_stores == 0 and r.spill_loads == 0, r.summary()
         assert ".target sm_90a" in r.ptx

@@ -259,6 +259,17 @@ def test_paged_refuses_bad_input():
         append_encoded(cache, q[:, :, :, 0], q[:, :, :, 0, :32], kt, vt)
 
 
+def test_symmetric_tables_take_the_magnitude_path():
+    """4-bit Lloyd-Max tables are exactly symmetric in float32: the kernel gets 8 magnitudes (the
+    tests above with 4-bit keys or values run that path); 2- and 3-bit tables keep the full tree."""
+    from gpu.triton.attention import kernel_params
+    for d in (64, 128, 256):
+        p4 = kernel_params(TurboQuantMSE(d, 4), table(d, 4), DEV)
+        lev = np.asarray(table(d, 4).codebook.levels, dtype=np.float32)
+        assert p4.sym and p4.levels[:8] == tuple(float(x) for x in lev[8:]) and p4.levels[8:] == (0.0,) * 8
+        assert not kernel_params(TurboQuantMSE(d, 2), table(d, 2), DEV).sym
+
+
 def test_row_layout_helpers():
     # words read per row: ceil(d bits / 32), whole 96-bit groups of 32 codes at 3 bits; rows of 16 B
     assert [paged.row_words(128, b) for b in (2, 3, 4)] == [8, 12, 16]
