@@ -90,6 +90,18 @@ def kernel_params(method: TurboQuantMSE, table: DeviceTable, device) -> KernelPa
     return KernelParams(method.bits, perm, signs, log_b, inv, tuple(lev + [0.0] * (16 - len(lev))), sym)
 
 
+def resolve_precision(kq, vq, precision):
+    """The ``tl.dot`` operand precision: "fp16" by default with float16 norms (the value norm is
+    folded into float16 weights, so float32 norms, which may exceed 65504, default to "tf32x3")."""
+    half_norms = kq.norm_dtype == "float16" and vq.norm_dtype == "float16"
+    precision = precision or ("fp16" if half_norms else "tf32x3")
+    if precision not in ("fp16", "tf32x3", "ieee"):
+        raise ValueError(f"precision must be 'fp16', 'tf32x3' or 'ieee', got {precision!r}")
+    if precision == "fp16" and not half_norms:
+        raise ValueError("precision 'fp16' folds value norms into float16 weights: it needs float16 norms")
+    return precision
+
+
 def check_method(name, method, table, d):
     """TypeError/ValueError/TableMismatchError unless ``method`` is a Hadamard TurboQuantMSE of dim d
     with at most 4 bits and ``table`` its DeviceTable."""
@@ -259,12 +271,7 @@ def decode_attention_mse(q, keys_packed, keys_norms, values_packed, values_norms
     for name, b in (("block_n", block_n), ("block_band", block_band)):
         if b < 16 or b & (b - 1):
             raise ValueError(f"{name} must be a power of two >= 16, got {b}")
-    half_norms = kq.norm_dtype == "float16" and vq.norm_dtype == "float16"
-    precision = precision or ("fp16" if half_norms else "tf32x3")
-    if precision not in ("fp16", "tf32x3", "ieee"):
-        raise ValueError(f"precision must be 'fp16', 'tf32x3' or 'ieee', got {precision!r}")
-    if precision == "fp16" and not half_norms:
-        raise ValueError("precision 'fp16' folds value norms into float16 weights: it needs float16 norms")
+    precision = resolve_precision(kq, vq, precision)
 
     pages = math.prod(lead)
     out = torch.empty(lead + (g, d), dtype=q.dtype, device=dev)

@@ -25,7 +25,7 @@ import triton.language as tl
 from kvq_ref.packing import packed_size
 from kvq_ref.turboquant import TurboQuantMSE
 
-from .attention import _check_tensor, check_method, kernel_params
+from .attention import _check_tensor, check_method, kernel_params, resolve_precision
 from .codes import pack_store
 from .paged import default_blocks, interpreting, launch_paged, plan_splits, row_bytes_for
 from .quantize import _corrected, _rot_operands, _rotated_codes
@@ -260,12 +260,7 @@ def paged_decode_attention(q, cache: PagedKVCache, ktable, vtable, *, q_pos=None
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
-    half_norms = kq.norm_dtype == "float16" and vq.norm_dtype == "float16"
-    precision = precision or ("fp16" if half_norms else "tf32x3")
-    if precision not in ("fp16", "tf32x3", "ieee"):
-        raise ValueError(f"precision must be 'fp16', 'tf32x3' or 'ieee', got {precision!r}")
-    if precision == "fp16" and not half_norms:
-        raise ValueError("precision 'fp16' folds value norms into float16 weights: it needs float16 norms")
+    precision = resolve_precision(kq, vq, precision)
     m_pad = max(16, triton.next_power_of_2(T * G))
     bn_auto, bb_auto, warps = default_blocks(d, m_pad, max(kq.bits, vq.bits))
     if block_n is not None and (not isinstance(block_n, int) or block_n < 16 or block_n & (block_n - 1)):
