@@ -80,9 +80,10 @@ def kernel_params(method: TurboQuantMSE, table: DeviceTable, device) -> KernelPa
 
     At 4 bits a table that is exactly symmetric in float32 (``level[c] = -level[15 - c]``, true of the
     Lloyd-Max tables) is passed as its upper half (magnitudes) with ``sym=True``: the kernel selects
-    among 8 magnitudes and takes the sign from the code's top bit (sm_90 SASS of the encoded loop:
-    1555 instead of 1614 instructions per warp at d=128, g=4; at 2 bits the sign costs more than the
-    saved selects, 1604 against 1420, so 2-bit tables use the full tree)."""
+    among 8 magnitudes and takes the sign from the code's top bit (sm_90 SASS of the encoded loop at
+    d=128, g=4, measured before in-place bit tests: 1555 instead of 1614 instructions per warp; at
+    2 bits the sign cost more than the saved selects, 1604 against 1420, so 2-bit tables use the
+    full tree)."""
     perm, signs, log_b, inv = _rotation_tensors(method.dim, method.seed, str(device))
     lev32 = np.asarray(table.codebook.levels, dtype=np.float32)
     sym = method.bits == 4 and bool(np.array_equal(lev32, -lev32[::-1]))

@@ -54,22 +54,23 @@ __all__ = ["H200_SMS", "SplitPlan", "plan_splits", "row_words", "row_bytes_for",
 
 # ---- device helpers ------------------------------------------------------------------------------
 @triton.jit
-def _select(c, W: tl.constexpr, l0, l1, l2, l3, l4, l5, l6, l7, l8, l9, l10, l11, l12, l13, l14, l15):
-    """levels[c] for W-bit codes in the low bits of ``c`` (higher bits ignored) by a select tree over
-    register-held levels (no memory gather): bit tests and 2^W - 1 selects."""
-    b0 = (c & 1) != 0
+def _select(c, sh, W: tl.constexpr, l0, l1, l2, l3, l4, l5, l6, l7, l8, l9, l10, l11, l12, l13, l14, l15):
+    """levels of the W-bit codes at bit offsets ``sh`` of ``c`` (other bits ignored) by a select tree
+    over register-held levels (no memory gather): one masked bit test per code bit (no shifts) and
+    2^W - 1 selects."""
+    b0 = (c & (1 << sh)) != 0
     a0 = tl.where(b0, l1, l0)
     if W == 1:
         return a0
     a1 = tl.where(b0, l3, l2)
-    b1 = (c & 2) != 0
+    b1 = (c & (2 << sh)) != 0
     x0 = tl.where(b1, a1, a0)
     if W == 2:
         return x0
     a2 = tl.where(b0, l5, l4)
     a3 = tl.where(b0, l7, l6)
     x1 = tl.where(b1, a3, a2)
-    b2 = (c & 4) != 0
+    b2 = (c & (4 << sh)) != 0
     y0 = tl.where(b2, x1, x0)
     if W == 3:
         return y0
@@ -80,11 +81,11 @@ def _select(c, W: tl.constexpr, l0, l1, l2, l3, l4, l5, l6, l7, l8, l9, l10, l11
     x2 = tl.where(b1, a5, a4)
     x3 = tl.where(b1, a7, a6)
     y1 = tl.where(b2, x3, x2)
-    return tl.where((c & 8) != 0, y1, y0)
+    return tl.where((c & (8 << sh)) != 0, y1, y0)
 
 
 @triton.jit
-def _level(c, W: tl.constexpr, SYM: tl.constexpr, HALF: tl.constexpr, l0, l1, l2, l3, l4, l5, l6, l7, l8, l9,
+def _level(c, sh, W: tl.constexpr, SYM: tl.constexpr, HALF: tl.constexpr, l0, l1, l2, l3, l4, l5, l6, l7, l8, l9,
            l10, l11, l12, l13, l14, l15):
     """Levels of codes from ``_codes_tile``: the full select tree, or (SYM) the tree over the
     magnitudes ``l0..`` (the upper half of the table) and the sign from the top bit; HALF selects
@@ -93,16 +94,17 @@ def _level(c, W: tl.constexpr, SYM: tl.constexpr, HALF: tl.constexpr, l0, l1, l2
         l0, l1, l2, l3, l4, l5, l6, l7 = _half8(l0, l1, l2, l3, l4, l5, l6, l7)
         l8, l9, l10, l11, l12, l13, l14, l15 = _half8(l8, l9, l10, l11, l12, l13, l14, l15)
     if SYM:
-        mag = _select(c, W - 1, l0, l1, l2, l3, l4, l5, l6, l7, l8, l9, l10, l11, l12, l13, l14, l15)
-        return tl.where((c & (1 << (W - 1))) != 0, mag, -mag)
+        mag = _select(c, sh, W - 1, l0, l1, l2, l3, l4, l5, l6, l7, l8, l9, l10, l11, l12, l13, l14, l15)
+        return tl.where((c & ((1 << (W - 1)) << sh)) != 0, mag, -mag)
     else:
-        return _select(c, W, l0, l1, l2, l3, l4, l5, l6, l7, l8, l9, l10, l11, l12, l13, l14, l15)
+        return _select(c, sh, W, l0, l1, l2, l3, l4, l5, l6, l7, l8, l9, l10, l11, l12, l13, l14, l15)
 
 
 @triton.jit
 def _codes_tile(words_ptr, row, tmask, W: tl.constexpr, ROW_WORDS: tl.constexpr, NWORDS: tl.constexpr,
                 BN: tl.constexpr, DP: tl.constexpr, SYM: tl.constexpr):
-    """Codes (BN, DP) uint32 (bits above the low W are junk: ``_select`` tests bits 0..W-1) of the rows ``row`` (BN,) int64 of a word array with ROW_WORDS words a row.
+    """Codes of the rows as ``(x, sh)``: code ``j`` of a row is bits ``sh[j] .. sh[j] + W - 1`` of
+    ``x[:, j]`` (uint32, (BN, DP) and (1, DP); ``_select`` tests those bits in place) of the rows ``row`` (BN,) int64 of a word array with ROW_WORDS words a row.
 
     W in (2, 4): the first ``DP W / 32`` words of a row in one 2-D load (contiguous, vectorizable),
     each word split into ``32 / W`` codes with shifts. W == 3: groups of 3 words hold 32 codes
@@ -129,7 +131,7 @@ def _codes_tile(words_ptr, row, tmask, W: tl.constexpr, ROW_WORDS: tl.constexpr,
         first = (c < 11)[None, None, :]
         sh = tl.where(c < 11, 3 * c, 3 * c - 32).to(tl.uint64)[None, None, :]
         x = tl.where(first, lo[:, :, None], hi[:, :, None]) >> sh
-        return tl.reshape(x.to(tl.uint32), (BN, DP))
+        return tl.reshape(x.to(tl.uint32), (BN, DP)), tl.zeros((1, DP), tl.uint32)
     else:
         NW: tl.constexpr = DP * W // 32
         PER: tl.constexpr = 32 // W
@@ -140,8 +142,8 @@ def _codes_tile(words_ptr, row, tmask, W: tl.constexpr, ROW_WORDS: tl.constexpr,
         if SYM:  # per code: keep c when its top bit is set, else flip the low W-1 bits (5 ops a word)
             REP: tl.constexpr = 0x55555555 if W == 2 else 0x11111111
             words = words ^ ((((~words) >> (W - 1)) & REP) * ((1 << (W - 1)) - 1))
-        x = words[:, :, None] >> sh[None, None, :]
-        return tl.reshape(x, (BN, DP))
+        x = tl.broadcast_to(words[:, :, None], (BN, NW, PER))
+        return tl.reshape(x, (BN, DP)), tl.reshape(tl.broadcast_to(sh[None, :], (NW, PER)), (1, DP))
 
 
 @triton.jit
@@ -225,15 +227,15 @@ def _split_kernel(q_ptr, q_sb, q_st, q_sh, qpos_ptr,
             row = row0 + tl.arange(0, BLOCK_N)
             kn = tl.load(kn_ptr + row, mask=tmask, other=0.0).to(tl.float32)
             vn = tl.load(vn_ptr + row, mask=tmask, other=0.0).to(tl.float32)
-            kc = _codes_tile(kc_ptr, row, tmask, KBITS, KROW_WORDS, K_NWORDS, BLOCK_N, D_PAD, KSYM)
-            klev = _level(kc, KBITS, KSYM, False, k0, k1, k2, k3, k4, k5, k6, k7, k8, k9, k10, k11, k12, k13, k14, k15)
+            kc, ksh = _codes_tile(kc_ptr, row, tmask, KBITS, KROW_WORDS, K_NWORDS, BLOCK_N, D_PAD, KSYM)
+            klev = _level(kc, ksh, KBITS, KSYM, False, k0, k1, k2, k3, k4, k5, k6, k7, k8, k9, k10, k11, k12, k13, k14, k15)
             sc = _dot(klev, tl.trans(q_rot), PREC) * kn[:, None]
             valid = tmask[:, None]
             if CAUSAL:
                 valid = valid & ((pos0 + t)[:, None] <= qpos[None, :])
             sc = tl.where(valid, sc, float("-inf"))
-            vc = _codes_tile(vc_ptr, row, tmask, VBITS, VROW_WORDS, V_NWORDS, BLOCK_N, D_PAD, VSYM)
-            vlev = _level(vc, VBITS, VSYM, False, v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15)
+            vc, vsh = _codes_tile(vc_ptr, row, tmask, VBITS, VROW_WORDS, V_NWORDS, BLOCK_N, D_PAD, VSYM)
+            vlev = _level(vc, vsh, VBITS, VSYM, False, v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15)
             m_i, l_i, acc = _online(m_i, l_i, acc, sc, vlev, vn, PREC)
     else:
         q = tl.load(q_base + cols[None, :], mask=qmask, other=0.0).to(tl.float32) * scale
