@@ -1,8 +1,9 @@
 """Split-sequence (flash-decoding) attention over a paged TurboQuantMSE cache (Triton).
 
-Layout (``PagedLayout``): encoded tokens live in pages of ``P`` token slots; page ``p`` holds, per
-KV head ``h``, the rows ``codes[p, h, 0:P, 0:row_bytes]`` (uint8, kvq_ref's little-endian bit stream
-of ``kvq_ref.packing``, zero-padded to ``row_bytes``, a multiple of 4) and ``norms[p, h, 0:P]``.
+Layout (``gpu.triton.cache.PagedKVCache``): encoded tokens live in pages of ``P`` token slots; page
+``p`` holds, per KV head ``h``, the rows ``codes[p, h, 0:P, 0:row_bytes]`` (uint8, kvq_ref's
+little-endian bit stream of ``kvq_ref.packing``, zero-padded to ``row_bytes``: a multiple of 16 in a
+PagedKVCache, of 4 at least) and ``norms[p, h, 0:P]``.
 A sequence ``b`` owns the pages ``block_table[b, 0:ceil(seq_lens[b] / P)]`` in token order; its
 encoded token ``t`` is slot ``t % P`` of page ``block_table[b, t // P]`` (page offsets in int64).
 The 16-bit band (sink and recent-window tokens) is kept apart, ``band_k/band_v (B, H, C, d)``
@@ -85,14 +86,12 @@ def _select(c, sh, W: tl.constexpr, l0, l1, l2, l3, l4, l5, l6, l7, l8, l9, l10,
 
 
 @triton.jit
-def _level(c, sh, W: tl.constexpr, SYM: tl.constexpr, HALF: tl.constexpr, l0, l1, l2, l3, l4, l5, l6, l7, l8, l9,
-           l10, l11, l12, l13, l14, l15):
+def _level(c, sh, W: tl.constexpr, SYM: tl.constexpr, l0, l1, l2, l3, l4, l5, l6, l7, l8, l9, l10, l11, l12,
+           l13, l14, l15):
     """Levels of codes from ``_codes_tile``: the full select tree, or (SYM) the tree over the
-    magnitudes ``l0..`` (the upper half of the table) and the sign from the top bit; HALF selects
-    among float16 levels (the MMA operand type; the scalar casts are loop invariant)."""
-    if HALF:
-        l0, l1, l2, l3, l4, l5, l6, l7 = _half8(l0, l1, l2, l3, l4, l5, l6, l7)
-        l8, l9, l10, l11, l12, l13, l14, l15 = _half8(l8, l9, l10, l11, l12, l13, l14, l15)
+    magnitudes ``l0..`` (the upper half of the table) and the sign from the top bit. (Selecting
+    among float16 levels instead, to skip the conversion to the MMA operand type, compiled to more
+    instructions on sm_90: 16-bit selects are packed with PRMT.)"""
     if SYM:
         mag = _select(c, sh, W - 1, l0, l1, l2, l3, l4, l5, l6, l7, l8, l9, l10, l11, l12, l13, l14, l15)
         return tl.where((c & ((1 << (W - 1)) << sh)) != 0, mag, -mag)
@@ -104,10 +103,11 @@ def _level(c, sh, W: tl.constexpr, SYM: tl.constexpr, HALF: tl.constexpr, l0, l1
 def _codes_tile(words_ptr, row, tmask, W: tl.constexpr, ROW_WORDS: tl.constexpr, NWORDS: tl.constexpr,
                 BN: tl.constexpr, DP: tl.constexpr, SYM: tl.constexpr):
     """Codes of the rows as ``(x, sh)``: code ``j`` of a row is bits ``sh[j] .. sh[j] + W - 1`` of
-    ``x[:, j]`` (uint32, (BN, DP) and (1, DP); ``_select`` tests those bits in place) of the rows ``row`` (BN,) int64 of a word array with ROW_WORDS words a row.
+    ``x[:, j]`` (uint32, (BN, DP) and (1, DP); ``_select`` tests those bits in place) of the rows
+    ``row`` (BN,) int64 of a word array with ROW_WORDS words a row.
 
     W in (2, 4): the first ``DP W / 32`` words of a row in one 2-D load (contiguous, vectorizable),
-    each word split into ``32 / W`` codes with shifts. W == 3: groups of 3 words hold 32 codes
+    each word broadcast to its ``32 / W`` codes at bit offsets ``sh`` (no shifts). W == 3: groups of 3 words hold 32 codes
     (96 bits); code ``c`` of a group sits in the 64-bit pair (w0, w1) for ``c < 11`` and (w1, w2)
     after. Words at index >= NWORDS (past the row's stream) read as 0.
 
@@ -144,12 +144,6 @@ def _codes_tile(words_ptr, row, tmask, W: tl.constexpr, ROW_WORDS: tl.constexpr,
             words = words ^ ((((~words) >> (W - 1)) & REP) * ((1 << (W - 1)) - 1))
         x = tl.broadcast_to(words[:, :, None], (BN, NW, PER))
         return tl.reshape(x, (BN, DP)), tl.reshape(tl.broadcast_to(sh[None, :], (NW, PER)), (1, DP))
-
-
-@triton.jit
-def _half8(a, b, c, d, e, f, g, h):
-    return (a.to(tl.float16), b.to(tl.float16), c.to(tl.float16), d.to(tl.float16), e.to(tl.float16),
-            f.to(tl.float16), g.to(tl.float16), h.to(tl.float16))
 
 
 @triton.jit
@@ -228,14 +222,16 @@ def _split_kernel(q_ptr, q_sb, q_st, q_sh, qpos_ptr,
             kn = tl.load(kn_ptr + row, mask=tmask, other=0.0).to(tl.float32)
             vn = tl.load(vn_ptr + row, mask=tmask, other=0.0).to(tl.float32)
             kc, ksh = _codes_tile(kc_ptr, row, tmask, KBITS, KROW_WORDS, K_NWORDS, BLOCK_N, D_PAD, KSYM)
-            klev = _level(kc, ksh, KBITS, KSYM, False, k0, k1, k2, k3, k4, k5, k6, k7, k8, k9, k10, k11, k12, k13, k14, k15)
+            klev = _level(kc, ksh, KBITS, KSYM, k0, k1, k2, k3, k4, k5, k6, k7, k8, k9, k10, k11, k12, k13, k14,
+                          k15)
             sc = _dot(klev, tl.trans(q_rot), PREC) * kn[:, None]
             valid = tmask[:, None]
             if CAUSAL:
                 valid = valid & ((pos0 + t)[:, None] <= qpos[None, :])
             sc = tl.where(valid, sc, float("-inf"))
             vc, vsh = _codes_tile(vc_ptr, row, tmask, VBITS, VROW_WORDS, V_NWORDS, BLOCK_N, D_PAD, VSYM)
-            vlev = _level(vc, vsh, VBITS, VSYM, False, v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15)
+            vlev = _level(vc, vsh, VBITS, VSYM, v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14,
+                          v15)
             m_i, l_i, acc = _online(m_i, l_i, acc, sc, vlev, vn, PREC)
     else:
         q = tl.load(q_base + cols[None, :], mask=qmask, other=0.0).to(tl.float32) * scale
@@ -350,7 +346,8 @@ def launch_paged(q, kc, kn, vc, vn, block_table, seq_lens, band_k, band_v, band_
     dummy = seq_lens  # never read when CAUSAL is off
     _split_kernel[(B, H, S + 1)](
         q, q.stride(0), q.stride(1), q.stride(2), q_pos if causal else dummy,
-        kc.view(torch.int32), kn, vc.view(torch.int32), vn, block_table, block_table.stride(0), seq_lens, enc_pos0 if causal else dummy, H,
+        kc.view(torch.int32), kn, vc.view(torch.int32), vn, block_table, block_table.stride(0), seq_lens,
+        enc_pos0 if causal else dummy, H,
         kc.shape[2], band_k, band_v, band_lens, band_pos if causal else dummy, band_k.shape[2],
         kparams.perm, kparams.signs, workspace, S, plan.chunk, scale, kparams.inv_sqrt_b,
         *kparams.levels, *vparams.levels,
