@@ -206,18 +206,25 @@ def loop_loads(loop: list[str]) -> dict:
     return out
 
 
-def static_report(configs=BENCH_CONFIGS) -> list[dict]:
+def _report_row(cfg: Config) -> dict:
+    b = build_split(cfg)
+    loop = loop_sass(b.cubin)
+    return {"config": cfg, "block_n": b.block_n, "num_warps": b.num_warps, "n_regs": b.n_regs,
+            "spill_stores": b.spill_stores, "spill_loads": b.spill_loads, "ptx_loads": b.loads,
+            "loop_sass": len(loop), "loop_loads": loop_loads(loop), "loop_fsel": sum("FSEL" in x for x in loop)}
+
+
+def static_report(configs=BENCH_CONFIGS, workers: int | None = None) -> list[dict]:
     """Registers, spills, PTX global loads, and the encoded loop's SASS size and loads by width, for
-    every configuration (picklable rows; ``hopper.in_compile_process`` runs this under the interpreter)."""
-    rows = []
-    for cfg in configs:
-        b = build_split(cfg)
-        loop = loop_sass(b.cubin)
-        rows.append({"config": cfg, "block_n": b.block_n, "num_warps": b.num_warps, "n_regs": b.n_regs,
-                     "spill_stores": b.spill_stores, "spill_loads": b.spill_loads, "ptx_loads": b.loads,
-                     "loop_sass": len(loop), "loop_loads": loop_loads(loop),
-                     "loop_fsel": sum("FSEL" in x for x in loop)})
-    return rows
+    every configuration (picklable rows; ``hopper.in_compile_process`` runs this under the
+    interpreter). Compiles run in ``workers`` processes (default: the CPU count, at most 4)."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    workers = workers or min(4, os.cpu_count() or 1)
+    if workers == 1:
+        return [_report_row(c) for c in configs]
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        return list(pool.map(_report_row, configs))
 
 
 def bytes_per_token_head(d: int, kbits: int, vbits: int, norm_bytes: int = 2) -> int:
