@@ -3,8 +3,9 @@
 ``gpu.triton.report.static_report`` compiles ``gpu.triton.paged._split_kernel`` for Hopper (no GPU)
 with the specialization a real launch gets, in one child process with ``TRITON_INTERPRET=0``; the
 rows are computed once per test session (27 configurations: 2/3/4-bit K/V x head_dim 64/128/256 x
-GQA group 1/4/8, compiled by a worker pool: 81 s cold, 35 s with a warm Triton cache, on two busy cores). The test fails if a configuration spills registers,
-if the encoded-token loop loads codes in bytes, or if the 2- and 4-bit loops lose their vector loads.
+GQA group 1/4/8, compiled by a worker pool: 81 s cold, 35 s with a warm Triton cache, on two busy
+cores). The test fails if a configuration spills registers, if the encoded-token loop loads codes
+in bytes, or if the 2- and 4-bit loops lose their vector loads.
 """
 
 import os
