@@ -1,26 +1,33 @@
-"""GPU benchmark: build, check against kvq_ref, and time the Triton kernels (one command).
+"""GPU benchmark: check against kvq_ref, then time the paged decode and append kernels (one command).
 
-Run on a machine with a CUDA GPU, from the repository root::
+Run on a machine with a CUDA GPU, from the repository root (under 5 minutes on an H200)::
 
-    python gpu/bench.py [--out results/gpu] [--contexts 4096,32768,131072] [--bits 2,3,4]
-    python -m gpu.bench ...          (the same)
+    python gpu/bench.py [--out results/gpu] [--contexts 4096,32768,131072] [--bits 2,3,4] [--batches 1,16]
+    python gpu/bench.py --quick      (check_device.sh: 32K tokens, 2 and 4 bits, batch 1)
+    python gpu/bench.py --dry-run    (CI: the whole plan on the CPU interpreter, tiny shapes)
 
 What it does, in order:
 
-1. Device facts and the measured device-copy bandwidth (``dst.copy_(src)`` of 1 GiB; bytes read plus
-   written over time, best of 10 CUDA-event timings).
-2. Correctness on a small slice before any timing: ``gpu.triton.quantize_mse`` codes and norms equal
-   ``TurboQuantMSE.encode`` byte for byte (float16 input), and ``decode_attention_mse`` agrees with
-   ``kvq_ref.attention.attention_decode`` to 1e-3 relative.
-3. Quantize throughput (float16 vectors in, packed codes and norms out) at head_dim 128, 2/3/4 bits.
-4. Decode attention for batch x KV heads x context in {4K, 32K, 128K}, head_dim 128, 2/3/4-bit K/V, GQA
-   group 4, against ``torch.nn.functional.scaled_dot_product_attention`` in float16 on the same shapes.
-   Achieved bandwidth = bytes of the packed cache (codes and norms of K and V) / time, reported as a
-   fraction of the copy bandwidth. Targets: >= 70 % of copy bandwidth at >= 32K, and >= 3x faster than
-   fp16 SDPA at 4 bits.
+1. Device facts and the measured copy bandwidth (``dst.copy_(src)`` of 1 GiB; read + written bytes
+   over the median of CUDA-event timings).
+2. Correctness before any timing: ``quantize_mse`` and ``append_encoded`` bit-exact with
+   ``TurboQuantMSE.encode``; ``decode_attention_mse`` (contiguous) and ``paged_decode_attention``
+   within 2e-3 relative of ``kvq_ref.attention.attention_decode`` (the default fp16 tensor-core
+   operands round to 2^-11; measured 3-4e-4 under the interpreter).
+3. Decode attention, paged (pages of 256 tokens in a shuffled block table), head_dim 128, GQA group 4,
+   8 KV heads, for each batch x context x bits (K and V at the same width), and fp16 SDPA pinned to
+   the FlashAttention backend on the same shapes (the group folded into the query length, so the
+   fp16 K/V is read once per KV head) with its own GB/s.
+4. Append throughput: ``append_encoded`` of 16 x 8 heads x 2048 new tokens (fp16 in, codes + norms
+   out), GB/s of bytes read + written, against the copy bandwidth.
 
-Results: ``results/gpu/bench_<device>.json``. ``--dry-run`` runs the same code path on the CPU under
-``TRITON_INTERPRET=1`` with tiny shapes (no meaningful timings), so the script is tested in CI.
+Timing: every call is captured once in a CUDA graph (no Python or allocation in the timed region);
+each repetition first flushes L2 by writing a 256 MiB buffer, then CUDA events bracket one graph
+replay; the median over the repetitions is reported (a call slower than 0.5 s stops its repetitions).
+Cache contents for timing are random codes and norms (the kernels' time does not depend on values;
+correctness is step 2's job).
+
+Results: ``results/gpu/bench_<device>.json`` (``bench_dryrun.json`` for --dry-run).
 """
 
 from __future__ import annotations
@@ -36,76 +43,80 @@ import sys
 import time
 from pathlib import Path
 
+TARGETS = {"fraction_of_copy_bandwidth_at_32k_plus": 0.7, "speedup_vs_sdpa_4bit": 3.0,
+           "speedup_vs_sdpa_2bit": 5.0, "append_fraction_of_copy_bandwidth": 0.5}
+
 
 def _parse(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("results/gpu"))
     p.add_argument("--contexts", default="4096,32768,131072")
     p.add_argument("--bits", default="2,3,4")
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--batches", default="1,16")
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--group", type=int, default=4, help="query heads per KV head")
-    p.add_argument("--quantize-vectors", type=int, default=1 << 20)
-    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--page-size", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--quick", action="store_true", help="32K tokens, 2 and 4 bits, batch 1 (check_device.sh)")
     p.add_argument("--dry-run", action="store_true", help="CPU interpreter, tiny shapes (plumbing check)")
     return p.parse_args(argv)
 
 
-def main(argv=None) -> dict:
-    args = _parse(argv)
-    if args.dry_run:
-        os.environ["TRITON_INTERPRET"] = "1"
-        args.contexts, args.kv_heads, args.quantize_vectors, args.repeats = "64,97", 2, 256, 1
+class Timer:
+    """Median GPU time of a callable: CUDA graph, L2 flush before each replay, events around it."""
+
+    def __init__(self, cuda: bool, repeats: int):
+        import torch
+        self.torch, self.cuda, self.repeats = torch, cuda, repeats
+        self.flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda") if cuda else None
+
+    def __call__(self, fn) -> float:
+        torch = self.torch
+        if not self.cuda:  # dry run: the plumbing only
+            fn()
+            t0 = time.perf_counter()
+            fn()
+            return time.perf_counter() - t0
+        fn()  # compile + warm up outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()
+            with torch.cuda.graph(graph, stream=stream):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(self.repeats):
+            self.flush.zero_()
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            stop.record()
+            stop.synchronize()
+            times.append(start.elapsed_time(stop) / 1e3)
+            if times[-1] > 0.5:
+                break
+        return statistics.median(times)
+
+
+def _checks(dev, d, g, bits_list):
+    """Correctness gate (step 2): a list of dicts with an ``ok`` field each."""
     import numpy as np
     import torch
 
     from gpu.tables import load_device_table
     from gpu.triton.attention import decode_attention_mse
+    from gpu.triton.cache import PagedKVCache, append_encoded, paged_decode_attention
     from gpu.triton.quantize import quantize_mse
     from kvq_ref import QuantizedKV, TurboQuantMSE, attention_decode
 
-    cuda = torch.cuda.is_available() and not args.dry_run
-    if not cuda and not args.dry_run:
-        print("gpu/bench.py needs a CUDA GPU (or --dry-run for the CPU plumbing check)", file=sys.stderr)
-        return {}
-    dev = "cuda" if cuda else "cpu"
-    d, g = 128, args.group
-    contexts = [int(c) for c in args.contexts.split(",")]
-    bit_list = [int(b) for b in args.bits.split(",")]
-
-    def timed(fn, repeats):
-        """Best wall time of ``fn`` (CUDA events on a GPU)."""
-        fn()
-        if not cuda:
-            t0 = time.perf_counter()
-            fn()
-            return time.perf_counter() - t0
-        torch.cuda.synchronize()
-        best = float("inf")
-        for _ in range(repeats):
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            stop.record()
-            torch.cuda.synchronize()
-            best = min(best, start.elapsed_time(stop) / 1e3)
-        return best
-
-    result = {"benchmark": "gpu kernels vs kvq_ref and fp16 SDPA", "dry_run": args.dry_run,
-              "command": shlex.join(["python", "gpu/bench.py", *(sys.argv[1:] if argv is None else argv)]),
-              "device": torch.cuda.get_device_name() if cuda else f"cpu-interpreter ({platform.machine()})",
-              "torch": torch.__version__, "d": d, "group": g, "batch": args.batch, "kv_heads": args.kv_heads}
-    # 1. copy bandwidth
-    nbytes = (1 << 30) if cuda else (1 << 20)
-    src = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-    dst = torch.empty_like(src)
-    t = timed(lambda: dst.copy_(src), args.repeats)
-    result["copy_bandwidth_gbs"] = 2 * nbytes / t / 1e9
-    del src, dst
-    # 2. correctness on a small slice
     rng = np.random.default_rng(0)
     checks = []
-    for bits in bit_list:
+    for bits in bits_list:
         q = TurboQuantMSE(d, bits)
         table = load_device_table(d, bits, device=dev)
         x = rng.standard_normal((97, d)).astype(np.float16)
@@ -119,70 +130,160 @@ def main(argv=None) -> dict:
         want = attention_decode(qry, cache)
         ek, ev = cache.keys, cache.values
         got = decode_attention_mse(torch.tensor(qry, dtype=torch.float32, device=dev),
-                                   torch.from_numpy(ek.arrays["codes"]).to(dev), torch.from_numpy(ek.arrays["norms"]).to(dev),
-                                   torch.from_numpy(ev.arrays["codes"]).to(dev), torch.from_numpy(ev.arrays["norms"]).to(dev),
+                                   *(torch.from_numpy(a).to(dev) for a in (ek.arrays["codes"], ek.arrays["norms"],
+                                                                          ev.arrays["codes"], ev.arrays["norms"])),
                                    q, q, table, table).cpu().numpy()
         rel = float(np.linalg.norm(got - want) / np.linalg.norm(want))
-        checks.append({"bits": bits, "codes_bit_exact": exact, "attention_rel_err": rel, "ok": exact and rel < 1e-3})
-    result["checks"] = checks
-    if not all(c["ok"] for c in checks):
+        # paged: two sequences of 300 tokens appended in chunks across pages of 16, shuffled pages
+        pc = PagedKVCache.allocate(q, q, 2, 1, num_pages=40, page_size=16, pages_per_seq=19, device=dev)
+        pc.block_table.copy_(torch.randperm(40)[:38].reshape(2, 19).to(torch.int32))
+        kv = np.stack([K, 0.5 * K]).astype(np.float16)[:, :, None, :]  # (2, 300, 1, d)
+        vv = np.stack([V, -V]).astype(np.float16)[:, :, None, :]
+        for a, b in ((0, 37), (37, 300)):
+            append_encoded(pc, torch.from_numpy(kv[:, a:b]).to(dev), torch.from_numpy(vv[:, a:b]).to(dev), table, table)
+        t = np.arange(300)
+        pages = pc.block_table[1].cpu().numpy()[t // 16]
+        app_exact = bool(np.array_equal(pc.k_codes[pages, 0, t % 16, :ref.arrays["codes"].shape[1]].cpu().numpy(),
+                                        q.encode(kv[1, :, 0]).arrays["codes"]))
+        qp = rng.standard_normal((2, 1, 1, g, d)).astype(np.float32)
+        outp = paged_decode_attention(torch.from_numpy(qp).to(dev), pc, table, table).float().cpu().numpy()
+        rel_p = 0.0
+        for s in range(2):
+            cs = QuantizedKV.build(kv[s, :, 0].astype(np.float64), vv[s, :, 0].astype(np.float64), q, q)
+            w = attention_decode(qp[s, 0, 0].astype(np.float64), cs)
+            rel_p = max(rel_p, float(np.linalg.norm(outp[s, 0, 0] - w) / np.linalg.norm(w)))
+        checks.append({"bits": bits, "codes_bit_exact": exact, "append_bit_exact": app_exact,
+                       "attention_rel_err": rel, "paged_attention_rel_err": rel_p,
+                       "ok": exact and app_exact and rel < 2e-3 and rel_p < 2e-3})
+    return checks
+
+
+def _random_paged(q, batch, heads, n, page, dev):
+    """A paged cache of ``n`` encoded tokens per sequence with random codes/norms and shuffled pages."""
+    import torch
+
+    from gpu.triton.cache import PagedKVCache
+
+    per_seq = -(-n // page)
+    c = PagedKVCache.allocate(q, q, batch, heads, num_pages=batch * per_seq, page_size=page, pages_per_seq=per_seq,
+                              device=dev)
+    c.block_table.copy_(torch.randperm(batch * per_seq, device=dev).to(torch.int32).reshape(batch, per_seq))
+    for codes, norms in ((c.k_codes, c.k_norms), (c.v_codes, c.v_norms)):
+        codes.copy_(torch.randint(0, 256, codes.shape, dtype=torch.uint8, device=dev))
+        norms.copy_((torch.rand(norms.shape, device=dev) + 0.5).to(norms.dtype))
+    c.seq_lens.fill_(n)
+    return c
+
+
+def main(argv=None) -> dict:
+    args = _parse(argv)
+    if args.dry_run:
+        os.environ["TRITON_INTERPRET"] = "1"
+        args.contexts, args.batches, args.kv_heads, args.page_size, args.repeats = "64,97", "1,2", 2, 16, 1
+    elif args.quick:
+        args.contexts, args.bits, args.batches, args.repeats = "32768", "2,4", "1", 10
+    import torch
+
+    from gpu.tables import load_device_table
+    from gpu.triton.cache import append_encoded, paged_decode_attention
+    from kvq_ref import TurboQuantMSE
+
+    cuda = torch.cuda.is_available() and not args.dry_run
+    if not cuda and not args.dry_run:
+        print("gpu/bench.py needs a CUDA GPU (or --dry-run for the CPU plumbing check)", file=sys.stderr)
+        return {}
+    dev = "cuda" if cuda else "cpu"
+    d, g, hkv = args.head_dim, args.group, args.kv_heads
+    contexts = [int(c) for c in args.contexts.split(",")]
+    bit_list = [int(b) for b in args.bits.split(",")]
+    batches = [int(b) for b in args.batches.split(",")]
+    timed = Timer(cuda, args.repeats)
+    result = {"benchmark": "paged TurboQuantMSE decode attention vs fp16 FlashAttention SDPA", "dry_run": args.dry_run,
+              "command": shlex.join(["python", "gpu/bench.py", *(sys.argv[1:] if argv is None else argv)]),
+              "device": torch.cuda.get_device_name() if cuda else f"cpu-interpreter ({platform.machine()})",
+              "torch": torch.__version__, "triton": __import__("triton").__version__, "d": d, "group": g,
+              "kv_heads": hkv, "page_size": args.page_size, "repeats": args.repeats,
+              "timing": "CUDA graph replay, L2 flushed (256 MiB write) before each, CUDA events, median",
+              "targets": TARGETS}
+    # 1. copy bandwidth
+    nbytes = (1 << 30) if cuda else (1 << 20)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    t = timed(lambda: dst.copy_(src))
+    result["copy_bandwidth_gbs"] = 2 * nbytes / t / 1e9
+    del src, dst
+    # 2. correctness
+    result["checks"] = _checks(dev, d, g, bit_list)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if not all(c["ok"] for c in result["checks"]):
         print("kernels disagree with kvq_ref; not timing", file=sys.stderr)
-        args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "bench_failed_checks.json").write_text(json.dumps(result, indent=1) + "\n")
         return result
-    # 3. quantize throughput
-    result["quantize"] = []
+    # 3. decode attention vs fp16 FlashAttention SDPA
+    result["decode"] = []
+    for b in batches:
+        for n in contexts:
+            qry = torch.randn(b, 1, hkv, g, d, device=dev, dtype=torch.float16)
+            t_sdpa, sdpa_bytes, backend = float("nan"), 2 * b * hkv * n * d * 2, None
+            if cuda:
+                from torch.nn.attention import SDPBackend, sdpa_kernel
+                kk, vv = torch.randn(2, b, hkv, n, d, device=dev, dtype=torch.float16)
+                qq = qry.reshape(b, hkv, g, d)  # GQA group folded into the query length: K/V read once
+
+                def sdpa():
+                    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                        return torch.nn.functional.scaled_dot_product_attention(qq, kk, vv)
+                t_sdpa, backend = timed(sdpa), "FLASH_ATTENTION"
+                del kk, vv
+            for bits in bit_list:
+                q, table = TurboQuantMSE(d, bits), load_device_table(d, bits, device=dev)
+                cache = _random_paged(q, b, hkv, n, args.page_size, dev)
+                t = timed(lambda: paged_decode_attention(qry, cache, table, table, max_seq_len=n))
+                # bytes the kernel reads: each token's K and V rows (padded layout) and two norms
+                moved = b * hkv * n * (cache.k_codes.shape[3] + cache.v_codes.shape[3]
+                                       + cache.k_norms.element_size() + cache.v_norms.element_size())
+                bw = moved / t / 1e9
+                result["decode"].append({
+                    "batch": b, "context": n, "bits": bits, "seconds": t, "bytes": moved, "bandwidth_gbs": bw,
+                    "fraction_of_copy_bandwidth": bw / result["copy_bandwidth_gbs"],
+                    "sdpa_fp16_seconds": t_sdpa, "sdpa_backend": backend, "sdpa_bytes": sdpa_bytes,
+                    "sdpa_bandwidth_gbs": sdpa_bytes / t_sdpa / 1e9, "speedup_vs_sdpa": t_sdpa / t})
+                del cache
+    # 4. append throughput
+    rows_b, rows_t = (16, 2048) if cuda else (2, 8)
+    result["append"] = []
     for bits in bit_list:
         q, table = TurboQuantMSE(d, bits), load_device_table(d, bits, device=dev)
-        x = torch.randn(args.quantize_vectors, d, device=dev, dtype=torch.float16)
-        t = timed(lambda: quantize_mse(x, q, table), args.repeats)
-        result["quantize"].append({"bits": bits, "vectors": args.quantize_vectors, "seconds": t,
-                                   "vectors_per_s": args.quantize_vectors / t})
-    # 4. decode attention vs fp16 SDPA
-    result["decode"] = []
-    b, hkv = args.batch, args.kv_heads
-    for n in contexts:
-        qry = torch.randn(b, hkv, g, d, device=dev)
-        if cuda:
-            # the fair baseline reads the same GQA cache in fp16: hkv K/V heads shared by g query heads
-            kk, vv = torch.randn(2, b, hkv, n, d, device=dev, dtype=torch.float16)
-            qq = qry.reshape(b, hkv * g, 1, d).half()
-            t_sdpa = timed(lambda: torch.nn.functional.scaled_dot_product_attention(
-                qq, kk, vv, enable_gqa=True), args.repeats)
-            del kk, vv
-        else:
-            t_sdpa = float("nan")
-        for bits in bit_list:
-            q, table = TurboQuantMSE(d, bits), load_device_table(d, bits, device=dev)
-            kv = torch.randn(2, b * hkv * n, d, device=dev, dtype=torch.float16)
-            kp, kn = quantize_mse(kv[0], q, table)
-            vp, vn = quantize_mse(kv[1], q, table)
-            del kv
-            shape = (b, hkv, n)
-            kp, vp = kp.reshape(*shape, -1), vp.reshape(*shape, -1)
-            kn, vn = kn.reshape(shape), vn.reshape(shape)
-            t = timed(lambda: decode_attention_mse(qry, kp, kn, vp, vn, q, q, table, table), args.repeats)
-            moved = sum(x.numel() * x.element_size() for x in (kp, kn, vp, vn))
-            bw = moved / t / 1e9
-            result["decode"].append({
-                "context": n, "bits": bits, "seconds": t, "sdpa_fp16_seconds": t_sdpa,
-                "speedup_vs_sdpa": t_sdpa / t, "bytes": moved, "bandwidth_gbs": bw,
-                "fraction_of_copy_bandwidth": bw / result["copy_bandwidth_gbs"]})
-            del kp, vp, kn, vn
-    long4 = [r for r in result["decode"] if r["bits"] == 4]
-    result["targets"] = {"fraction_of_copy_bandwidth_at_32k_plus": 0.7, "speedup_vs_sdpa_at_4_bits": 3.0}
+        cache = _random_paged(q, rows_b, hkv, rows_t, args.page_size, dev)
+        k, v = torch.randn(2, rows_b, rows_t, hkv, d, device=dev, dtype=torch.float16)
+
+        def step():
+            cache.seq_lens.zero_()
+            append_encoded(cache, k, v, table, table)
+        t = timed(step)
+        moved = 2 * (k.numel() * 2 + rows_b * rows_t * hkv * (cache.k_codes.shape[3] + 2))
+        result["append"].append({"bits": bits, "tokens": rows_b * rows_t, "kv_heads": hkv, "seconds": t,
+                                 "bytes": moved, "bandwidth_gbs": moved / t / 1e9,
+                                 "fraction_of_copy_bandwidth": moved / t / 1e9 / result["copy_bandwidth_gbs"]})
+        del cache, k, v
+    long = [r for r in result["decode"] if r["context"] >= 32768]
     result["met"] = None if not cuda else {
-        "bandwidth": all(r["fraction_of_copy_bandwidth"] >= 0.7 for r in result["decode"] if r["context"] >= 32768),
-        "speedup_4bit": all(r["speedup_vs_sdpa"] >= 3.0 for r in long4)}
+        "bandwidth": all(r["fraction_of_copy_bandwidth"] >= 0.7 for r in long),
+        "speedup_4bit": all(r["speedup_vs_sdpa"] >= 3.0 for r in long if r["bits"] == 4),
+        "speedup_2bit": all(r["speedup_vs_sdpa"] >= 5.0 for r in long if r["bits"] == 2),
+        "append": all(r["fraction_of_copy_bandwidth"] >= 0.5 for r in result["append"])}
     name = re.sub(r"[^A-Za-z0-9]+", "_", result["device"]).strip("_").lower()
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"bench_{'dryrun' if args.dry_run else name}.json"
+    suffix = "dryrun" if args.dry_run else name + ("_quick" if args.quick else "")
+    path = args.out / f"bench_{suffix}.json"
     path.write_text(json.dumps(result, indent=1, default=float) + "\n")
-    print(f"device {result['device']}: copy {result['copy_bandwidth_gbs']:.1f} GB/s; checks "
-          f"{'passed' if all(c['ok'] for c in checks) else 'FAILED'}; wrote {path}")
+    print(f"device {result['device']}: copy {result['copy_bandwidth_gbs']:.1f} GB/s; checks passed; wrote {path}")
     for r in result["decode"]:
-        print(f"  ctx {r['context']:>6} {r['bits']} bits: {r['seconds'] * 1e6:9.1f} us, "
-              f"{r['fraction_of_copy_bandwidth'] * 100:5.1f} % of copy bw, x{r['speedup_vs_sdpa']:.2f} vs SDPA")
+        print(f"  batch {r['batch']:>2} ctx {r['context']:>6} {r['bits']} bits: {r['seconds'] * 1e6:9.1f} us, "
+              f"{r['fraction_of_copy_bandwidth'] * 100:5.1f} % of copy bw, x{r['speedup_vs_sdpa']:.2f} vs fp16 FA "
+              f"({r['sdpa_bandwidth_gbs']:.0f} GB/s)")
+    for r in result["append"]:
+        print(f"  append {r['bits']} bits: {r['bandwidth_gbs']:.1f} GB/s "
+              f"({r['fraction_of_copy_bandwidth'] * 100:.1f} % of copy bw)")
     return result
 
 

@@ -64,5 +64,6 @@ for path in runs:
     r = json.loads(path.read_text())
     print(r["device"], f"copy bandwidth {r['copy_bandwidth_gbs']:.0f} GB/s")
     for row in r["decode"]:
-        print(f"  ctx {row['context']:>6} {row['bits']} bits: {row['fraction_of_copy_bandwidth']:.0%} of copy bw, "
+        print(f"  batch {row.get('batch', 1):>2} ctx {row['context']:>6} {row['bits']} bits: "
+              f"{row['fraction_of_copy_bandwidth']:.0%} of copy bw, "
               f"x{row['speedup_vs_sdpa']:.2f} vs fp16 SDPA")

@@ -46,6 +46,7 @@ from kvq_ref.packing import packed_size
 from kvq_ref.turbo_block import FORMATS, TurboBlock
 from kvq_ref.turboquant import TurboQuantMSE
 
+from ..schedule import plan_splits
 from ..tables import DeviceTable, TableMismatchError, load_device_table
 
 __all__ = ["CudaUnavailableError", "KernelResources", "SOURCES", "MAX_DIM", "MAX_BITS", "cache_dir", "find_nvcc",
@@ -54,6 +55,8 @@ __all__ = ["CudaUnavailableError", "KernelResources", "SOURCES", "MAX_DIM", "MAX
 
 CUDA_DIR = Path(__file__).resolve().parent
 SOURCES = ("kvq_quantize.cu", "kvq_decode_attention.cu")
+TILE = 64        # KVQ_TILE of kvq_decode_attention.cu: tokens per staged tile (splits are multiples)
+MAX_GROUP = 16   # KVQ_MAX_GROUP: query rows per KV group
 HEADERS = ("kvq_common.cuh", "host_emu.h")
 MAX_DIM = 256   # KVQ_MAX_DIM in kvq_common.cuh
 MAX_BITS = 4    # KVQ_MAX_BITS
@@ -207,7 +210,7 @@ _SIGNATURES = {
     "kvq_quantize_mse": [_P, _I, _LL, _I, _I, _P, _P, _P, _P, _P, _I, _I, _P, _P, _P],
     "kvq_quantize_turbo": [_P, _I, _LL, _I, _I, _P, _P, _P, _P, _P, _P],
     "kvq_decode_attention": [_LL, _I, _I, _P, _P, _I, _P, _P, _P, _I, _P, _P, _P, _I, _I, _P, _P, _P, _P, _P, _I,
-                             _F, _P, _P],
+                             _F, _I, _I, _P, _P, _P],
     "kvq_turbo_block_bytes_of": [_I, _I],
     "kvq_cuda_set_device": [_I],
 }
@@ -438,8 +441,12 @@ def quantize_turbo_block(x, quantizer: TurboBlock, table: DeviceTable | None = N
 
 def decode_attention(q, k_codes, k_norms, v_codes, v_norms, key_method: TurboQuantMSE, value_method: TurboQuantMSE,
                      *, band_k=None, band_v=None, scale: float | None = None, k_table: DeviceTable | None = None,
-                     v_table: DeviceTable | None = None):
+                     v_table: DeviceTable | None = None, splits: int | None = None):
     """One decode step over TurboQuantMSE-coded keys/values plus an optional float16 band.
+
+    Split over the sequence like the Triton kernels (``gpu.schedule.plan_splits`` over the G groups,
+    tiles of 64 tokens): one block per (group, split) reads each K/V tile once for the group's h
+    query rows, a merge kernel combines the splits by log-sum-exp and inverts the value rotation once.
 
     ``kvq_ref.attention.attention_decode`` for a ``QuantizedKV`` whose middle tokens are coded by
     ``key_method``/``value_method``, per KV group g. The query is rotated here with the key
@@ -458,6 +465,8 @@ def decode_attention(q, k_codes, k_norms, v_codes, v_norms, key_method: TurboQua
     scale : float, optional
         Logit scale (default 1/sqrt(d)).
     k_table, v_table : gpu.tables.DeviceTable, optional
+    splits : int, optional
+        Force the split count (default: the plan's).
 
     Returns
     -------
@@ -499,8 +508,11 @@ def decode_attention(q, k_codes, k_norms, v_codes, v_norms, key_method: TurboQua
         _shape("band_v", band_v, (G, n_band, d))
     if n_mid + n_band < 1:
         raise ValueError("the cache holds no tokens")
-    if G * h > 2**31 - 1:
-        raise ValueError(f"G * h = {G * h} query rows exceed the grid limit")
+    if h > MAX_GROUP:
+        raise ValueError(f"h = {h} query rows per group exceed the kernel's {MAX_GROUP}")
+    plan = plan_splits(max(G, 1), 1, n_mid, TILE, splits=splits)
+    if G * (plan.splits + 1) > 2**31 - 1:
+        raise ValueError(f"G * (splits + 1) = {G * (plan.splits + 1)} blocks exceed the grid limit")
     ktab = _table(k_table, d, key_method.bits, dev)
     vtab = _table(v_table, d, value_method.bits, dev)
     sm_scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
@@ -512,9 +524,11 @@ def decode_attention(q, k_codes, k_norms, v_codes, v_norms, key_method: TurboQua
     vrot = _rotation(("mse", d, value_method.seed), value_method.rot, dev)
     q_rot = (q3.double() @ krot["matrix"].T).float().contiguous()
     out = torch.empty((G, h, d), dtype=torch.float32, device=dev)
+    workspace = torch.empty(max(1, G * (plan.splits + 1) * h * (d + 2)), dtype=torch.float32, device=dev)
     if G * h:
         _launch(backend, dev, "kvq_decode_attention", G, h, d, _ptr(q_rot), _ptr(q3), n_mid, _ptr(kc), _ptr(kn),
                 _ptr(ktab.levels32), key_method.bits, _ptr(vc), _ptr(vn), _ptr(vtab.levels32), value_method.bits,
                 n_band, _ptr(band_k), _ptr(band_v), _ptr(vrot["signs1"]), _ptr(vrot["signs2"]),
-                _ptr(vrot["inv_perm"]), vrot["block"], sm_scale, _ptr(out))
+                _ptr(vrot["inv_perm"]), vrot["block"], sm_scale, plan.splits, plan.chunk, _ptr(workspace),
+                _ptr(out))
     return out if grouped else out[0]

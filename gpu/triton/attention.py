@@ -1,39 +1,34 @@
-"""Fused decode attention over a TurboQuantMSE-packed KV cache (Triton).
+"""Decode attention over a contiguous TurboQuantMSE-packed KV cache: a thin case of the paged kernels.
 
-One program per (batch, KV head) attends the queries of its GQA group to every cached token in a
-single pass, the way ``kvq_ref.attention.attention_decode`` defines it for a ``QuantizedKV`` whose
-key and value methods are ``kvq_ref.TurboQuantMSE`` with the Hadamard rotation:
+``decode_attention_mse`` takes kvq_ref's arrays (one cache per leading index, ``(..., N, nbytes)``
+codes) and runs ``gpu.triton.paged``'s split-sequence kernels with one page per cache (page size N,
+one KV head, the identity block table). What it computes is
+``kvq_ref.attention.attention_decode`` for a ``QuantizedKV`` whose key and value methods are
+``kvq_ref.TurboQuantMSE`` with the Hadamard rotation:
 
 1. the query is rotated once into the key codebook domain, ``q_r = R_k q`` with
-   ``R = D2 . H_b . P . D1`` from ``kvq_ref.rotations.HadamardRotation(d, seed)`` (the permutation
-   and ``D1`` are applied while loading, the butterflies on registers, then ``1/sqrt(b)`` and ``D2``);
-2. scores of encoded tokens are ``scale * norm_t * sum_j q_r[j] levels_k[code_tj]`` (codes unpacked
-   from the little-endian bit stream of ``kvq_ref.packing``, levels from the float32 table of
-   ``gpu.tables``), scores of the 16-bit band tokens are ``scale * q . k_t``;
-3. an online softmax runs over blocks of tokens (band blocks first, then encoded blocks), summing
-   encoded values in the value rotation's domain (``p_t * norm_t * levels_v[code_tj]``) and band
-   values in the original domain;
-4. the epilogue applies ``R_v^T`` once to the rotated sum, adds the band sum and divides by the
-   softmax denominator.
+   ``R = D2 . H_b . P . D1`` from ``kvq_ref.rotations.HadamardRotation(d, seed)``;
+2. scores of encoded tokens are ``scale * norm_t * sum_j q_r[j] levels_k[code_tj]``, of the 16-bit
+   band tokens ``scale * q . k_t``;
+3. an online softmax per split of the encoded tokens sums values in the value rotation's domain
+   (``p_t * norm_t * levels_v[code_tj]``), the band is one more partial in the original domain;
+4. the merge applies ``R_v^T`` once to the merged rotated sum, adds the band and divides.
 
-Precision contract: this is a float32 kernel (levels, norms widened from float16, products, exp,
-sums); it is not bit-identical to kvq_ref, which works in float64. Tests compare it with kvq_ref
-under a tolerance derived from float32 rounding (``tests/gpu/test_triton_attention.py``). Kernels
-own no math: levels come from table files through ``gpu.tables.load_device_table``, rotation signs
-and permutations from ``kvq_ref.rotations``, byte layouts from ``kvq_ref.packing``.
+Precision contract: float32 (levels, norms widened from float16, products, exp, sums); not
+bit-identical to kvq_ref, which works in float64. Tests compare under a tolerance derived from
+float32 rounding (``tests/gpu/test_triton_attention.py``).
 """
 
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
+from collections import namedtuple
 from functools import lru_cache
 
 import numpy as np
 import torch
 import triton
-import triton.language as tl
 
 from codebooks import SphereMarginal
 from gpu.tables import DeviceTable, TableMismatchError
@@ -41,89 +36,11 @@ from kvq_ref.packing import packed_size
 from kvq_ref.rotations import HadamardRotation
 from kvq_ref.turboquant import TurboQuantMSE
 
-from .codes import code_at, fwht_tile
+from .paged import default_blocks, interpreting, launch_paged, plan_splits, row_words
 
-__all__ = ["Band", "decode_attention_mse", "inputs_from_cache", "hopper_builds"]
+_interpreting = interpreting  # used by gpu.triton.nova
 
-
-@triton.jit
-def _mse_decode_kernel(q_ptr, kc_ptr, kn_ptr, vc_ptr, vn_ptr, klev_ptr, vlev_ptr,
-                       kperm_ptr, ksign_ptr, vperm_ptr, vsign_ptr, bk_ptr, bv_ptr, out_ptr,
-                       N, NB, scale, k_inv_sqrt_b, v_inv_sqrt_b,
-                       G: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr, D_PAD: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, KBITS: tl.constexpr,
-                       VBITS: tl.constexpr, KBYTES: tl.constexpr, VBYTES: tl.constexpr,
-                       K_LOG_B: tl.constexpr, V_LOG_B: tl.constexpr):
-    """One (batch, KV head): queries (G, D), N encoded tokens, NB band tokens -> output (G, D).
-
-    Layouts (contiguous): q/out (P, G, D) float32; kc/vc (P, N, K/VBYTES) uint8; kn/vn (P, N);
-    bk/bv (P, NB, D) float16; ksign/vsign (2, D) float32 = (signs1, signs2); kperm/vperm (D,) int32.
-    """
-    pid = tl.program_id(0).to(tl.int64)
-    rows = tl.arange(0, G_PAD)
-    cols = tl.arange(0, D_PAD)
-    cmask = cols < D
-    qmask = (rows < G)[:, None] & cmask[None, :]
-    q_base = q_ptr + pid * G * D + rows[:, None] * D
-    q = tl.load(q_base + cols[None, :], mask=qmask, other=0.0)
-
-    # rotate the query once: pre[j] = q[perm[j]] * signs1[perm[j]], butterflies, 1/sqrt(b), signs2
-    kperm = tl.load(kperm_ptr + cols, mask=cmask, other=0)
-    pre = tl.load(q_base + kperm[None, :], mask=qmask, other=0.0) \
-        * tl.load(ksign_ptr + kperm, mask=cmask, other=0.0)[None, :]
-    ks2 = tl.load(ksign_ptr + D + cols, mask=cmask, other=0.0)
-    q_rot = fwht_tile(pre, G_PAD, D_PAD, K_LOG_B) * (ks2 * (k_inv_sqrt_b * scale))[None, :]
-
-    vperm = tl.load(vperm_ptr + cols, mask=cmask, other=0)
-    m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
-    l_i = tl.zeros((G_PAD,), tl.float32)
-    acc_rot = tl.zeros((G_PAD, D_PAD), tl.float32)   # encoded values, value-rotation domain
-    acc_band = tl.zeros((G_PAD, D_PAD), tl.float32)  # band values, original domain at vperm order
-
-    for start in range(0, NB, BLOCK_B):
-        t = start + tl.arange(0, BLOCK_B)
-        tmask = t < NB
-        bmask = tmask[:, None] & cmask[None, :]
-        base = (pid * NB + t)[:, None] * D
-        kb = tl.load(bk_ptr + base + cols[None, :], mask=bmask, other=0.0).to(tl.float32)
-        s = tl.sum(q[:, None, :] * kb[None, :, :], axis=2) * scale
-        s = tl.where(tmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        vb = tl.load(bv_ptr + base + vperm[None, :], mask=bmask, other=0.0).to(tl.float32)
-        acc_band = acc_band * alpha[:, None] + tl.sum(p[:, :, None] * vb[None, :, :], axis=1)
-        acc_rot = acc_rot * alpha[:, None]
-        m_i = m_new
-
-    for start in range(0, N, BLOCK_N):
-        t = start + tl.arange(0, BLOCK_N)
-        tmask = t < N
-        lmask = tmask[:, None] & cmask[None, :]
-        tok = pid * N + t
-        kcode = code_at(kc_ptr + tok[:, None] * KBYTES, cols[None, :], KBITS, KBYTES, lmask)
-        klev = tl.load(klev_ptr + kcode, mask=lmask, other=0.0)
-        kn = tl.load(kn_ptr + tok, mask=tmask, other=0.0).to(tl.float32)
-        s = tl.sum(q_rot[:, None, :] * klev[None, :, :], axis=2) * kn[None, :]
-        s = tl.where(tmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        vcode = code_at(vc_ptr + tok[:, None] * VBYTES, cols[None, :], VBITS, VBYTES, lmask)
-        vn = tl.load(vn_ptr + tok, mask=tmask, other=0.0).to(tl.float32)
-        vhat = tl.load(vlev_ptr + vcode, mask=lmask, other=0.0) * vn[:, None]
-        acc_rot = acc_rot * alpha[:, None] + tl.sum(p[:, :, None] * vhat[None, :, :], axis=1)
-        acc_band = acc_band * alpha[:, None]
-        m_i = m_new
-
-    # one inverse value rotation: x[perm[j]] = signs1[perm[j]] * (H (signs2 * y))[j] / sqrt(b)
-    vs2 = tl.load(vsign_ptr + D + cols, mask=cmask, other=0.0)
-    vs1 = tl.load(vsign_ptr + vperm, mask=cmask, other=0.0)
-    z = fwht_tile(acc_rot * vs2[None, :], G_PAD, D_PAD, V_LOG_B) * (vs1 * v_inv_sqrt_b)[None, :]
-    out = (z + acc_band) / l_i[:, None]
-    tl.store(out_ptr + pid * G * D + rows[:, None] * D + vperm[None, :], out, mask=qmask)
+__all__ = ["Band", "decode_attention_mse", "inputs_from_cache", "kernel_params", "check_method"]
 
 
 @dataclass(frozen=True)
@@ -153,8 +70,45 @@ def _rotation_tensors(d: int, seed: int, device: str):
             int(rot.block).bit_length() - 1, 1.0 / math.sqrt(rot.block))
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+KernelParams = namedtuple("KernelParams", "bits perm signs log_b inv_sqrt_b levels sym")
+
+
+def kernel_params(method: TurboQuantMSE, table: DeviceTable, device) -> KernelParams:
+    """What the kernels read of one method: bits, the rotation (perm int32 (d,), signs float32 (2, d),
+    log2 of the block, 1/sqrt(block)) and the table's float32 levels as 16 host floats (kernel
+    arguments, i.e. registers; unused slots 0). No device-to-host copy: levels come from the host table.
+
+    At 4 bits a table that is exactly symmetric in float32 (``level[c] = -level[15 - c]``, true of the
+    Lloyd-Max tables) is passed as its upper half (magnitudes) with ``sym=True``: the kernel selects
+    among 8 magnitudes and takes the sign from the code's top bit (sm_90 SASS of the encoded loop at
+    d=128, g=4, measured before in-place bit tests: 1555 instead of 1614 instructions per warp; at
+    2 bits the sign cost more than the saved selects, 1604 against 1420, so 2-bit tables use the
+    full tree)."""
+    perm, signs, log_b, inv = _rotation_tensors(method.dim, method.seed, str(device))
+    lev32 = np.asarray(table.codebook.levels, dtype=np.float32)
+    sym = method.bits == 4 and bool(np.array_equal(lev32, -lev32[::-1]))
+    lev = [float(x) for x in (lev32[lev32.size // 2:] if sym else lev32)]
+    return KernelParams(method.bits, perm, signs, log_b, inv, tuple(lev + [0.0] * (16 - len(lev))), sym)
+
+
+def resolve_precision(kq, vq, precision):
+    """The ``tl.dot`` operand precision: "fp16" by default with float16 norms (the value norm is
+    folded into float16 weights, so float32 norms, which may exceed 65504, default to "tf32x3")."""
+    half_norms = kq.norm_dtype == "float16" and vq.norm_dtype == "float16"
+    precision = precision or ("fp16" if half_norms else "tf32x3")
+    if precision not in ("fp16", "tf32x3", "ieee"):
+        raise ValueError(f"precision must be 'fp16', 'tf32x3' or 'ieee', got {precision!r}")
+    if precision == "fp16" and not half_norms:
+        raise ValueError("precision 'fp16' folds value norms into float16 weights: it needs float16 norms")
+    return precision
+
+
+def check_method(name, method, table, d):
+    """TypeError/ValueError/TableMismatchError unless ``method`` is a Hadamard TurboQuantMSE of dim d
+    with at most 4 bits and ``table`` its DeviceTable."""
+    _check_method(name, method, table, d)
+    if method.bits > 4:
+        raise ValueError(f"{name} has {method.bits} bits; the decode kernels take 1..4")
 
 
 def _check_method(name, method, table, d):
@@ -228,34 +182,56 @@ def inputs_from_cache(cache, device="cpu") -> tuple:
     return (*out, band)
 
 
+
+
+def _rows_for_kernel(packed, d, bits, lead, n):
+    """(pages = prod(lead), 1, N, row) uint8 rows the kernel reads as whole words: kvq_ref's rows as
+    they are when their length is a multiple of 4 bytes covering the words read, else zero-padded."""
+    pages = math.prod(lead)
+    nb = packed.shape[-1]
+    need = 4 * row_words(d, bits)
+    flat = packed.reshape(pages, 1, n, nb)
+    if nb % 4 == 0 and nb >= need:
+        return flat.contiguous()
+    row = -(-need // 16) * 16
+    out = torch.zeros((pages, 1, n, row), dtype=torch.uint8, device=packed.device)
+    out[..., :nb] = flat
+    return out
+
+
 def decode_attention_mse(q, keys_packed, keys_norms, values_packed, values_norms, kq, vq, ktable, vtable,
-                         band=None, scale=None, block_n=None, block_band=None, num_warps=None):
-    """Decode attention of a GQA group over a TurboQuantMSE-packed cache, fused in one Triton kernel.
+                         band=None, scale=None, block_n=None, block_band=None, num_warps=None, splits=None,
+                         precision=None):
+    """Decode attention of a GQA group over a TurboQuantMSE-packed cache (split over the sequence).
 
     Parameters
     ----------
     q : torch.Tensor, float32/float16/bfloat16, shape (..., g, d)
-        Queries; the leading axes (batch, KV heads) index independent caches, one program each.
+        Queries; the leading axes (batch, KV heads) index independent caches.
     keys_packed, values_packed : torch.Tensor, uint8, shape (..., N, nbytes)
         ``TurboQuantMSE.encode(x).arrays["codes"]`` of the N encoded tokens (nbytes from kq/vq bits).
     keys_norms, values_norms : torch.Tensor, shape (..., N)
         The stored scales, of the methods' ``norm_dtype`` (float16 by default).
     kq, vq : kvq_ref.TurboQuantMSE
-        The key and value methods (Hadamard rotation; bits and seeds may differ).
+        The key and value methods (Hadamard rotation, 1..4 bits; bits and seeds may differ).
     ktable, vtable : gpu.tables.DeviceTable
         ``load_device_table(d, kq.bits)`` and ``load_device_table(d, vq.bits)`` on q's device.
     band : Band, optional
-        Float16 band tokens (first sink, last window), shape (..., n_band, d).
+        16-bit band tokens (first sink, last window), float16 or bfloat16, shape (..., n_band, d).
     scale : float, optional
         Logit scale (default ``1/sqrt(d)``).
     block_n, block_band : int, optional
-        Tokens per loop step (powers of two; defaults: 16 on a GPU, up to 512 under the interpreter).
+        Tokens per tile (powers of two >= 16; defaults from ``gpu.triton.paged.default_blocks``).
     num_warps : int, optional
-        Default ``_default_warps(g, d)`` (4, or 8 for g * d above 512: no spills on sm_90).
+    splits : int, optional
+        Split count over the encoded tokens (default: ``gpu.triton.paged.plan_splits``).
+    precision : str, optional
+        ``tl.dot`` operands: "fp16" (default with float16 norms: tensor cores, operands rounded to
+        float16, float32 accumulation), "tf32x3" (default with float32 norms) or "ieee" (float32).
 
     Returns
     -------
-    torch.Tensor, float32, shape (..., g, d)
+    torch.Tensor, q's dtype, shape (..., g, d)
 
     Raises
     ------
@@ -269,10 +245,10 @@ def decode_attention_mse(q, keys_packed, keys_norms, values_packed, values_norms
     *lead, g, d = q.shape
     lead = tuple(lead)
     dev = q.device
-    if dev.type == "cpu" and not _interpreting():
+    if dev.type == "cpu" and not interpreting():
         raise ValueError("CPU tensors need TRITON_INTERPRET=1 (the Triton interpreter)")
-    _check_method("kq", kq, ktable, d)
-    _check_method("vq", vq, vtable, d)
+    check_method("kq", kq, ktable, d)
+    check_method("vq", vq, vtable, d)
     if not isinstance(keys_packed, torch.Tensor):
         raise TypeError(f"keys_packed must be a torch.Tensor, got {type(keys_packed).__name__}")
     if keys_packed.ndim != len(lead) + 2:
@@ -290,66 +266,41 @@ def decode_attention_mse(q, keys_packed, keys_norms, values_packed, values_norms
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
-    auto = 512 if _interpreting() else 16
-    block_n = block_n or min(auto, triton.next_power_of_2(max(n, 1)))
-    block_band = block_band or min(auto, triton.next_power_of_2(max(nb, 1)))
+    m_pad = max(16, triton.next_power_of_2(g))
+    bn_auto, bb_auto, warps_auto = default_blocks(d, m_pad, max(kq.bits, vq.bits))
+    block_n, block_band = block_n or bn_auto, block_band or bb_auto
     for name, b in (("block_n", block_n), ("block_band", block_band)):
-        if b < 1 or b & (b - 1):
-            raise ValueError(f"{name} must be a power of two, got {b}")
+        if b < 16 or b & (b - 1):
+            raise ValueError(f"{name} must be a power of two >= 16, got {b}")
+    precision = resolve_precision(kq, vq, precision)
 
-    programs = math.prod(lead)
-    out = torch.empty(lead + (g, d), dtype=torch.float32, device=dev)
-    if programs == 0:
+    pages = math.prod(lead)
+    out = torch.empty(lead + (g, d), dtype=q.dtype, device=dev)
+    if pages == 0:
         return out
-    kperm, ksign, k_log_b, k_inv = _rotation_tensors(d, kq.seed, str(dev))
-    vperm, vsign, v_log_b, v_inv = _rotation_tensors(d, vq.seed, str(dev))
+    plan = plan_splits(pages, 1, n, block_n, splits=splits)
 
-    def buffer(x, present):  # never hand the kernel an empty allocation (a null pointer on a GPU)
-        return x.contiguous() if present else torch.zeros(1, dtype=x.dtype, device=dev)
+    def rows(packed, method):
+        if n == 0:
+            return torch.zeros((pages, 1, 1, 16), dtype=torch.uint8, device=dev)
+        return _rows_for_kernel(packed, d, method.bits, lead, n)
 
-    half = torch.zeros(1, dtype=torch.float16, device=dev)
-    bk, bv = (band.keys, band.values) if nb else (half, half)
-    _mse_decode_kernel[(programs,)](
-        q.to(torch.float32).contiguous(), buffer(keys_packed, n), buffer(keys_norms, n), buffer(values_packed, n),
-        buffer(values_norms, n), ktable.levels32, vtable.levels32, kperm, ksign, vperm, vsign,
-        bk.contiguous(), bv.contiguous(), out, n, nb, scale, k_inv, v_inv,
-        G=g, D=d, G_PAD=triton.next_power_of_2(g), D_PAD=triton.next_power_of_2(d), BLOCK_N=block_n,
-        BLOCK_B=block_band, KBITS=kq.bits, VBITS=vq.bits, KBYTES=packed_size(d, kq.bits),
-        VBYTES=packed_size(d, vq.bits), K_LOG_B=k_log_b, V_LOG_B=v_log_b,
-        num_warps=num_warps or _default_warps(g, d))
+    def norms(x, method):
+        if n == 0:
+            return torch.zeros((pages, 1, 1), dtype=getattr(torch, method.norm_dtype), device=dev)
+        return x.reshape(pages, 1, n).contiguous()
+
+    if nb:
+        bk = band.keys.reshape(pages, 1, nb, d).contiguous()
+        bv = band.values.reshape(pages, 1, nb, d).contiguous()
+    else:
+        bk = bv = torch.zeros((pages, 1, 1, d), dtype=torch.float16, device=dev)
+    idx = torch.arange(pages, dtype=torch.int32, device=dev)
+    launch_paged(q.reshape(pages, 1, 1, g, d).contiguous(), rows(keys_packed, kq), norms(keys_norms, kq),
+                 rows(values_packed, vq), norms(values_norms, vq), idx.reshape(pages, 1),
+                 torch.full((pages,), n, dtype=torch.int32, device=dev), bk, bv,
+                 torch.full((pages,), nb, dtype=torch.int32, device=dev),
+                 kernel_params(kq, ktable, dev), kernel_params(vq, vtable, dev),
+                 out=out.view(pages, 1, 1, g, d), scale=scale, plan=plan, block_band=block_band,
+                 num_warps=num_warps or warps_auto, prec=precision)
     return out
-
-
-def _default_warps(g: int, d: int) -> int:
-    """Warps per program: a (g, 16, d) product tile over 4 warps fits sm_90's registers up to g*d = 512."""
-    return 4 if triton.next_power_of_2(g) * triton.next_power_of_2(d) <= 512 else 8
-
-
-def hopper_builds(d=128, g=4, kbits=3, vbits=2, block_n=16, block_band=16, num_warps=None, norm_dtype="fp16"):
-    """Compile the decode kernel for sm_90 (no GPU needed) and report registers and spills.
-
-    Measured with Triton 3.9 (d=128, g=4, 3/2 bits, 16-token blocks): 195 registers, no spills at 4 warps;
-    64-token blocks spill about 3.4 KB, which is why the GPU default is 16.
-
-    Returns
-    -------
-    gpu.triton.hopper.HopperReport
-    """
-    from .hopper import compile_for_hopper, in_compile_process
-
-    if _interpreting():  # this process's kernels are interpreter functions: compile in a fresh one
-        return in_compile_process(__name__, "hopper_builds", d, g, kbits, vbits, block_n, block_band, num_warps,
-                                  norm_dtype)
-
-    block = d & -d
-    sig = {name: "*fp32" for name in ("q_ptr", "klev_ptr", "vlev_ptr", "ksign_ptr", "vsign_ptr", "out_ptr")}
-    sig.update({"kc_ptr": "*u8", "vc_ptr": "*u8", "kn_ptr": f"*{norm_dtype}", "vn_ptr": f"*{norm_dtype}",
-                "kperm_ptr": "*i32", "vperm_ptr": "*i32", "bk_ptr": "*fp16", "bv_ptr": "*fp16",
-                "N": "i32", "NB": "i32", "scale": "fp32", "k_inv_sqrt_b": "fp32", "v_inv_sqrt_b": "fp32"})
-    const = {"G": g, "D": d, "G_PAD": triton.next_power_of_2(g), "D_PAD": triton.next_power_of_2(d),
-             "BLOCK_N": block_n, "BLOCK_B": block_band, "KBITS": kbits, "VBITS": vbits,
-             "KBYTES": packed_size(d, kbits), "VBYTES": packed_size(d, vbits),
-             "K_LOG_B": block.bit_length() - 1, "V_LOG_B": block.bit_length() - 1}
-    sig.update({k: "constexpr" for k in const})
-    return compile_for_hopper(_mse_decode_kernel, {k: sig[k] for k in _mse_decode_kernel.arg_names}, const,
-                              num_warps=num_warps or _default_warps(g, d), enable_fp_fusion=True)

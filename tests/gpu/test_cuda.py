@@ -45,7 +45,8 @@ from kvq_ref.turboquant import TurboQuantMSE
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 needs_nvcc = pytest.mark.skipif(find_nvcc() is None, reason="needs nvcc (CUDA toolkit)")
-KERNELS = {"kvq_quantize_mse_kernel", "kvq_quantize_turbo_kernel", "kvq_decode_attention_kernel"}
+KERNELS = {"kvq_quantize_mse_kernel", "kvq_quantize_turbo_kernel", "kvq_decode_split_kernel",
+           "kvq_decode_merge_kernel"}
 ATTN_TOL = ATTENTION_RTOL
 
 
@@ -200,6 +201,22 @@ def test_decode_attention_matches_kvq_ref(device, d, n, sink, window, kbits, vbi
     assert relative_error(one.cpu().numpy(), attention_decode(Q[0], caches[0], scale=0.5)) <= ATTN_TOL
 
 
+@pytest.mark.parametrize("splits,h", [(1, 1), (3, 8), (9, 4)])
+def test_decode_attention_splits_match_kvq_ref(device, splits, h):
+    """Split-and-merge over 300 coded tokens in tiles of 64: one split, a few, more splits than
+    tiles (empty splits merge as nothing); one query row, and GQA groups of 4 and 8."""
+    d, G = 64, 2
+    km, vm = TurboQuantMSE(d, 4, seed=3), TurboQuantMSE(d, 2, seed=4)
+    caches = _cache(G, 312, d, 4, 8, km, vm, seed=splits)
+    Q = np.random.default_rng(splits).standard_normal((G, h, d)) * 2.0
+    ref = np.stack([attention_decode(Q[g], caches[g]) for g in range(G)])
+    mid, band = _tensors(caches, d, km, vm, device)
+    got = decode_attention(torch.tensor(Q, dtype=torch.float32, device=device), *mid, km, vm, splits=splits,
+                           **band).cpu().numpy()
+    assert relative_error(got, ref) <= ATTN_TOL
+    assert np.abs(got - ref).max() <= ATTN_TOL * np.abs(ref).max()
+
+
 # ---- validation before launch (no GPU, no compiler) ---------------------------------------------
 @pytest.fixture
 def no_launch(monkeypatch):
@@ -293,7 +310,11 @@ def test_launch_functions_refuse_bad_sizes(device):
     assert lib.kvq_quantize_mse(None, 0, 1, 96, 2, *[None] * 5, 64, 0, None, None, None) == -1  # 64 does not divide 96
     assert lib.kvq_quantize_turbo(None, 0, 1, 64, 3, *[None] * 5, None) == -1  # turbo blocks are 32 or 128
     assert lib.kvq_decode_attention(1, 1, 64, None, None, 0, None, None, None, 2, None, None, None, 2, 0, None, None,
-                                    None, None, None, 64, 1.0, None, None) == -1  # no tokens
+                                    None, None, None, 64, 1.0, 1, 64, None, None, None) == -1  # no tokens
+    assert lib.kvq_decode_attention(1, 17, 64, None, None, 5, None, None, None, 2, None, None, None, 2, 0, None, None,
+                                    None, None, None, 64, 1.0, 1, 64, None, None, None) == -1  # h > 16
+    assert lib.kvq_decode_attention(1, 1, 64, None, None, 500, None, None, None, 2, None, None, None, 2, 0, None, None,
+                                    None, None, None, 64, 1.0, 2, 64, None, None, None) == -1  # splits miss tokens
     assert b"refused before launch" in lib.kvq_cuda_error_string(-1)
     for fmt, block in [(f, b) for f in ("turbo2", "turbo3", "turbo4") for b in (32, 128)]:
         tb = TurboBlock(fmt, block, profile="kvq")

@@ -1,0 +1,51 @@
+"""Static report of the paged decode kernel compiled for sm_90 at every benchmark configuration.
+
+``gpu.triton.report.static_report`` compiles ``gpu.triton.paged._split_kernel`` for Hopper (no GPU)
+with the specialization a real launch gets, in one child process with ``TRITON_INTERPRET=0``; the
+rows are computed once per test session (27 configurations: 2/3/4-bit K/V x head_dim 64/128/256 x
+GQA group 1/4/8, compiled by a worker pool: 81 s cold, 35 s with a warm Triton cache, on two busy
+cores). The test fails if a configuration spills registers, if the encoded-token loop loads codes
+in bytes, or if the 2- and 4-bit loops lose their vector loads.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from gpu.triton.hopper import in_compile_process  # noqa: E402
+from gpu.triton.report import BENCH_CONFIGS, nvdisasm_path  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def report():
+    if nvdisasm_path() is None:
+        pytest.fail("nvdisasm missing: install the gpu extra (nvidia-cuda-nvdisasm)")
+    return in_compile_process("gpu.triton.report", "static_report")
+
+
+def test_every_benchmark_config_is_reported(report):
+    assert [r["config"] for r in report] == list(BENCH_CONFIGS)
+    assert {(c.kbits, c.d, c.g) for c in BENCH_CONFIGS} == {(b, d, g) for b in (2, 3, 4) for d in (64, 128, 256)
+                                                             for g in (1, 4, 8)}
+
+
+def test_no_spills_anywhere(report):
+    for r in report:
+        print(f"{r['config'].label}: block_n {r['block_n']}, {r['num_warps']} warps, {r['n_regs']} regs, "
+              f"loop {r['loop_sass']} SASS/warp, loads by bytes {r['loop_loads']}")
+        assert r["n_regs"] <= 255 and r["spill_stores"] == 0 and r["spill_loads"] == 0, r
+
+
+def test_inner_loop_loads_words_and_vectors(report):
+    for r in report:
+        loads = r["loop_loads"]
+        assert r["loop_fsel"] > 0, r  # the loop found is the encoded one (level select tree)
+        assert not loads.get(1), r    # no byte loads of codes
+        if r["config"].kbits in (2, 4):
+            # one 2-D load of whole rows: vector loads of at least 8 bytes a thread (16 where the
+            # tile gives a thread 4 words of a row)
+            assert loads.get(8, 0) + loads.get(16, 0) > 0, r
+        else:
+            assert loads.get(4, 0) >= 3, r  # 3 word loads per 96-bit group of 32 codes
