@@ -1,7 +1,7 @@
 """NOVA-KV decode scores against gain-shape VQ keys (Triton).
 
 ``kvq_ref.nova.NovaKV(head, "key")`` stores per token the packed indices of ``d / g`` group
-centroids (``bits * g`` bits each) and a float16 gain. A query never meets a decoded key: it is
+centroids (``bits * g`` bits each) and a gain (float32 by default, float16 with ``gain_dtype``). A query never meets a decoded key: it is
 mapped once to coefficient space, ``q_m = q @ key.inverse.T``, and
 
     score_t = gain_t * sum_j T[j, code_tj] + q . mu,     T[j, i] = q_m[groups_j] . centroids[j, i]
@@ -17,7 +17,7 @@ Two kernels implement it:
   groups and applies the gain and the offset.
 
 Precision contract: float32 throughout (the float64 ``key.inverse`` and ``key.mu`` are rounded to
-float32 once; centroids are float32 in ``NovaHead``; gains are float16, widened exactly). Results are
+float32 once; centroids are float32 in ``NovaHead``; gains are float32 or float16, widened exactly). Results are
 compared with ``NovaKV.inner_product`` under a forward-error bound in the tests. Kernels own no
 math: transforms, groups and centroids come from the calibrated ``codebooks.nova.NovaHead``.
 """
@@ -78,7 +78,7 @@ def _nova_scores_kernel(codes_ptr, gains_ptr, lut_ptr, qmu_ptr, out_ptr, N,
                         NBYTES: tl.constexpr, M_PAD: tl.constexpr, NG_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
     """Scores of one block of tokens: out (P, M, N) float32.
 
-    codes (P, N, NBYTES) uint8 (NG codes of CODE_BITS bits per token), gains (P, N) float16.
+    codes (P, N, NBYTES) uint8 (NG codes of CODE_BITS bits per token), gains (P, N) float32 or float16.
     """
     pid = tl.program_id(0).to(tl.int64)
     t = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -170,7 +170,7 @@ def nova_key_scores(q, codes, gains, tables, block_n=None, num_warps=4) -> torch
         Queries (a GQA group); leading axes (batch, KV heads) index independent caches.
     codes : torch.Tensor, uint8, shape (..., N, nbytes)
         ``NovaKV(head, "key").encode(k).arrays["codes"]`` (``nbytes = ceil(G * bits * g / 8)``).
-    gains : torch.Tensor, float16, shape (..., N)
+    gains : torch.Tensor, float32 or float16, shape (..., N)
         ``...arrays["gains"]``.
     tables : NovaKeyTables or codebooks.nova.NovaHead
         The head's key tables (a NovaHead is converted on every call; convert once for speed).
@@ -214,7 +214,7 @@ def nova_key_scores(q, codes, gains, tables, block_n=None, num_warps=4) -> torch
         raise ValueError(f"codes must be a tensor of shape {lead + ('N', nbytes)}")
     n = codes.shape[-2]
     _check_tensor("codes", codes, (torch.uint8,), lead + (n, nbytes), dev)
-    _check_tensor("gains", gains, (torch.float16,), lead + (n,), dev)
+    _check_tensor("gains", gains, (torch.float32, torch.float16), lead + (n,), dev)
     m_pad, ng_pad = triton.next_power_of_2(m), triton.next_power_of_2(tables.n_groups)
     block_n = block_n or (min(1024, triton.next_power_of_2(max(n, 1))) if _interpreting()
                           else _default_block(tables.n_groups, m_pad))

@@ -227,6 +227,16 @@ def test_nova_scores_match_kvq_ref(nova, n, m):
     check_nova(q, nk, tables, keys, block_n=32)  # several token blocks per head
 
 
+def test_nova_scores_float32_gains(nova):
+    # NovaKV's default (the release's float32 gains): the kernel widens either gain dtype exactly.
+    gen, head, _, tables = nova
+    q, k, _ = sequence(gen, 3, 1, 97, 11)[0]
+    q = q[:, -1].astype(np.float32).astype(np.float64)
+    nk = NovaKV(head, "key")
+    assert nk.encode(k[0]).arrays["gains"].dtype == np.float32
+    check_nova(q, nk, tables, k[0].copy(), block_n=32)
+
+
 def test_nova_batch_heads_and_head_argument(nova):
     gen, head, nk, tables = nova
     q, k, _ = sequence(gen, 6, 2, 97, 7)[0]  # two KV heads (sharing the calibrated head), 3 queries each
@@ -248,7 +258,7 @@ def test_nova_refuses_mismatches(nova):
     codes, gains = torch.from_numpy(enc.arrays["codes"]).to(DEV), torch.from_numpy(enc.arrays["gains"]).to(DEV)
     q = torch.zeros((2, head.d), device=DEV)
     for exc, args in [(ValueError, (q[:, :-4], codes, gains, tables)), (ValueError, (q, codes[:, :-1], gains, tables)),
-                      (ValueError, (q, codes, gains[:-1], tables)), (TypeError, (q, codes, gains.float(), tables)),
+                      (ValueError, (q, codes, gains[:-1], tables)), (TypeError, (q, codes, gains.double(), tables)),
                       (TypeError, (q, codes.to(torch.int16), gains, tables)), (TypeError, (q, codes, gains, nk)),
                       (TypeError, (q.int(), codes, gains, tables))]:
         with pytest.raises(exc):
