@@ -36,7 +36,7 @@ from __future__ import annotations
 import hashlib
 import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import ClassVar
 
 import numpy as np
@@ -684,4 +684,11 @@ def density_from_params(kind: str, params: dict) -> Density:
     """Rebuild a continuous density from the ``(kind, params)`` a manifest records."""
     if kind not in _KINDS:
         raise ValueError(f"unknown density kind {kind!r}; expected one of {sorted(_KINDS)}")
-    return _KINDS[kind](**params)
+    cls = _KINDS[kind]
+    want = {f.name for f in fields(cls) if f.init}
+    if not isinstance(params, dict) or set(params) != want:
+        raise ValueError(f"{kind} params must be exactly {sorted(want)}, got {params!r:.100}")
+    density = cls(**params)
+    if density.params() != params:
+        raise ValueError(f"{kind} params {params!r:.100} do not round-trip ({density.params()!r:.100})")
+    return density
