@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["write_folder", "write_file", "read_folder", "FolderReader", "check_name", "aside_path",
+__all__ = ["write_folder", "write_file", "read_file", "read_folder", "FolderReader", "check_name", "aside_path",
            "check_output_folder", "check_output_file"]
 
 #: Attempts of a reader racing writers before it reports the folder as missing.
@@ -104,6 +104,8 @@ def check_output_folder(folder, name: str = "--out", replaceable: Callable[[Path
     if folder.exists() or folder.is_symlink():
         if not folder.is_dir():
             raise ValueError(f"{name} {folder}: exists and is not a directory")
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise ValueError(f"{name} {folder}: exists and is not writable")
         if any(folder.iterdir()) and not (replaceable and replaceable(folder)):
             raise ValueError(f"{name} {folder}: exists and holds other files; refusing to replace it "
                              "(give a new or empty folder, or one this command wrote)")
@@ -212,6 +214,31 @@ def write_file(path, data: bytes) -> Path:
     return path
 
 
+def _read_fd(fd: int, path: Path, max_bytes: int) -> bytes:
+    """All bytes of the regular file open as ``fd`` (at most ``max_bytes``), else ``ValueError`` naming ``path``."""
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise ValueError(f"{path}: is a directory, not a file")
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{path}: is not a regular file (a FIFO, socket or device)")
+        if st.st_size > max_bytes:
+            raise ValueError(f"{path}: is {st.st_size} bytes, more than the {max_bytes} allowed")
+        chunks, left = [], max_bytes + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 24))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        data = b"".join(chunks)
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot be read ({exc.strerror})") from None
+    if len(data) > max_bytes:
+        raise ValueError(f"{path}: grew past the {max_bytes} bytes allowed while being read")
+    return data
+
+
 class _Swapped(Exception):
     """The folder was replaced by a writer during the read: start again."""
 
@@ -248,26 +275,7 @@ class FolderReader:
                 raise ValueError(f"{path}: is a symbolic link, not a file written by this toolkit") from None
             raise ValueError(f"{path}: cannot be opened ({exc.strerror})") from None
         try:
-            st = os.fstat(fd)
-            if stat.S_ISDIR(st.st_mode):
-                raise ValueError(f"{path}: is a directory, not a file")
-            if not stat.S_ISREG(st.st_mode):
-                raise ValueError(f"{path}: is not a regular file (a FIFO, socket or device)")
-            if st.st_size > max_bytes:
-                raise ValueError(f"{path}: is {st.st_size} bytes, more than the {max_bytes} allowed")
-            chunks, left = [], st.st_size + 1
-            while left > 0:
-                chunk = os.read(fd, min(left, 1 << 24))
-                if not chunk:
-                    break
-                chunks.append(chunk)
-                left -= len(chunk)
-            data = b"".join(chunks)
-            if len(data) > max_bytes:
-                raise ValueError(f"{path}: grew past the {max_bytes} bytes allowed while being read")
-            return data
-        except OSError as exc:
-            raise ValueError(f"{path}: cannot be read ({exc.strerror})") from None
+            return _read_fd(fd, path, max_bytes)
         finally:
             os.close(fd)
 
@@ -326,3 +334,19 @@ def read_folder(folder, fn: Callable[[FolderReader], object]):
         finally:
             os.close(fd)
     raise ValueError(f"{folder}: kept changing while being read ({_READ_ATTEMPTS} attempts)")
+
+
+def read_file(path, max_bytes: int) -> bytes:
+    """Bytes of a regular file of at most ``max_bytes``; ``ValueError`` naming the file otherwise
+    (missing, a directory, a FIFO/socket/device (never opened for blocking reads), too large)."""
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise ValueError(f"{path}: file not found") from None
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot be opened ({exc.strerror})") from None
+    try:
+        return _read_fd(fd, path, max_bytes)
+    finally:
+        os.close(fd)

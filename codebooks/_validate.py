@@ -94,7 +94,7 @@ def _json_float(text: str) -> float:
 
 
 def _json_constant(text: str):
-    raise ValueError(f"{text} is not a finite number")
+    raise ValueError(f"{text} is not allowed: JSON here must hold finite numbers")
 
 
 def parse_json(raw: bytes | str, max_depth: int = JSON_MAX_DEPTH, max_bytes: int = JSON_MAX_BYTES):

@@ -127,11 +127,12 @@ def save_artifacts(folder, kind: str, entries: list[dict], arrays: dict[str, np.
     }
     manifest["manifest_sha256"] = sha256(canonical_json(manifest))
     written = {TENSORS: tensors, **extra_files, MANIFEST: canonical_json(manifest)}
-    return write_folder(folder, written, replaceable=lambda f: _replaceable(f, written))
+    return write_folder(folder, written, replaceable=lambda f: holds_only(f, written))
 
 
-def _replaceable(folder: Path, names) -> bool:
-    """An existing folder may be replaced only if it holds nothing but files this write produces."""
+def holds_only(folder: Path, names) -> bool:
+    """True if ``folder`` holds nothing but regular files named in ``names`` (an existing folder is
+    replaced only then: never a folder with a user's other files)."""
     return all(p.name in names and p.is_file() and not p.is_symlink() for p in folder.iterdir())
 
 
