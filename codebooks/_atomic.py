@@ -250,10 +250,12 @@ class FolderReader:
     raise ``ValueError`` naming the file (absent, not a regular file, too large, unreadable).
     """
 
-    def __init__(self, folder: Path, fd: int, opened: Path):
-        self.folder, self._fd, self.opened = folder, fd, opened
+    def __init__(self, folder: Path, fd: int, main: Path):
+        self.folder, self._fd, self.main = folder, fd, main
 
     def _swapped(self) -> bool:
+        if self.folder != self.main and os.path.lexists(self.main):
+            return True  # read the aside copy mid-swap; the new set is in place now
         mine = os.fstat(self._fd)
         try:
             now = os.stat(self.folder)
@@ -327,7 +329,7 @@ def read_folder(folder, fn: Callable[[FolderReader], object]):
             continue
         try:
             # reading the aside copy: the folder itself must still be absent (else start again)
-            return fn(FolderReader(folder if opened == folder else aside, fd, opened))
+            return fn(FolderReader(opened, fd, folder))
         except _Swapped:
             time.sleep(0.0005)
             continue
