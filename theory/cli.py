@@ -65,7 +65,7 @@ def _parser() -> argparse.ArgumentParser:
     c.set_defaults(func=_cmd_curves)
     q = sub.add_parser("plot", help="draw the figure from JSON files only")
     q.add_argument("files", nargs="+", help="series JSON files")
-    q.add_argument("-o", "--output", required=True, help="image path ending in .png, .pdf or .svg")
+    q.add_argument("-o", "--output", required=True, help="PNG path (ending in .png)")
     q.set_defaults(func=_cmd_plot)
     return p
 

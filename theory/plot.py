@@ -10,7 +10,7 @@ __all__ = ["plot_series", "plot_files", "PLOT_SUFFIXES"]
 
 #: Image formats ``plot_series`` writes (the suffix decides; matplotlib would append ".png" to a
 #: path without one, e.g. write ``DIR.png`` beside a folder named ``DIR``).
-PLOT_SUFFIXES = (".png", ".pdf", ".svg")
+PLOT_SUFFIXES = (".png",)
 
 _STYLE = {
     "lower_bound": dict(color="black", lw=1.2, ls="-"),
@@ -45,7 +45,7 @@ def plot_series(series: list[Series], out) -> Path:
     ----------
     series : list of Series
     out : str or Path
-        Image path ending in .png, .pdf or .svg (checked before drawing).
+        PNG path ending in .png (checked before drawing).
 
     Returns
     -------
@@ -99,7 +99,7 @@ def plot_series(series: list[Series], out) -> Path:
         ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110, metadata={"Software": None}, format=out.suffix[1:].lower())
+    fig.savefig(out, dpi=110, metadata={"Software": None}, format="png")
     plt.close(fig)
     return out
 
