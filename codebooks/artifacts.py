@@ -221,7 +221,7 @@ def _parse_manifest(path: Path, raw: bytes, kind: str) -> dict:
         seen.add(entry["name"])
         for key, spec in entry["arrays"].items():
             if not isinstance(spec, dict) or set(spec) != {"dtype", "shape", "sha256"} \
-                    or spec["dtype"] not in _SPEC_DTYPES \
+                    or not isinstance(spec["dtype"], str) or spec["dtype"] not in _SPEC_DTYPES \
                     or not _shape_ok(spec["shape"]) or not isinstance(spec["sha256"], str) \
                     or not _HEX64.fullmatch(spec["sha256"]):
                 fail(path, f"entry {entry['name']!r}: array {key!r} spec must be {{dtype, shape, sha256}} with a "

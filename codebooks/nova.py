@@ -194,6 +194,11 @@ def _head_layout(d: int, bits: int, g: int) -> dict:
 
 
 def _validate(hd: NovaHead, path, name: str) -> None:
+    with np.errstate(over="ignore", invalid="ignore"):  # huge entries give inf products: refused below
+        _check_head(hd, path, name)
+
+
+def _check_head(hd: NovaHead, path, name: str) -> None:
     d, g = hd.d, hd.g
     for grp in (hd.key_groups, hd.value_groups):
         if grp.shape != (d // g, g) or not np.array_equal(np.sort(grp.ravel()), np.arange(d)):
