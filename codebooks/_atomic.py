@@ -171,7 +171,7 @@ def write_folder(folder, files: dict[str, bytes], replaceable: Callable[[Path], 
         fcntl.flock(lock_fd, fcntl.LOCK_EX)
         hook("locked")
         _recover(folder)
-        check_output_folder(folder, str(folder), replaceable)
+        check_output_folder(folder, "folder", replaceable)
         tmp = Path(f"{tmp_prefix}{os.getpid()}-{secrets.token_hex(4)}")
         tmp.mkdir()
         try:
