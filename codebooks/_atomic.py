@@ -109,14 +109,19 @@ def check_output_folder(folder, name: str = "--out", replaceable: Callable[[Path
         if any(folder.iterdir()) and not (replaceable and replaceable(folder)):
             raise ValueError(f"{name} {folder}: exists and holds other files; refusing to replace it "
                              "(give a new or empty folder, or one this command wrote)")
-    anc = folder.parent
+    _check_parent(folder, name)
+    return folder
+
+
+def _check_parent(path: Path, name: str) -> None:
+    """The nearest existing ancestor of ``path`` must be a writable directory."""
+    anc = path.parent
     while not anc.exists():
         anc = anc.parent
     if not anc.is_dir():
-        raise ValueError(f"{name} {folder}: {anc} is not a directory")
+        raise ValueError(f"{name} {path}: {anc} is not a directory")
     if not os.access(anc, os.W_OK | os.X_OK):
-        raise ValueError(f"{name} {folder}: {anc} is not writable")
-    return folder
+        raise ValueError(f"{name} {path}: {anc} is not writable")
 
 
 def check_output_file(path, name: str = "-o", suffixes: tuple[str, ...] = ()) -> Path:
@@ -128,13 +133,7 @@ def check_output_file(path, name: str = "-o", suffixes: tuple[str, ...] = ()) ->
         raise ValueError(f"{name} {path}: exists and is not a regular file")
     if suffixes and path.suffix.lower() not in suffixes:
         raise ValueError(f"{name} {path}: must end in one of {', '.join(suffixes)}")
-    anc = path.parent
-    while not anc.exists():
-        anc = anc.parent
-    if not anc.is_dir():
-        raise ValueError(f"{name} {path}: {anc} is not a directory")
-    if not os.access(anc, os.W_OK | os.X_OK):
-        raise ValueError(f"{name} {path}: {anc} is not writable")
+    _check_parent(path, name)
     if path.exists() and not os.access(path, os.W_OK):
         raise ValueError(f"{name} {path}: exists and is not writable")
     return path

@@ -116,7 +116,7 @@ def read_qkv(path) -> tuple[list[dict], int]:
     try:
         read_file(path, 0)  # a regular file? (FIFOs, directories, missing files named as such)
     except ValueError as exc:
-        if "more than the 0 bytes" not in str(exc):
+        if "more than the 0 allowed" not in str(exc):
             raise ValueError(f"--qkv {exc}") from None
     try:
         tensors = load_file(str(path))

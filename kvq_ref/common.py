@@ -227,41 +227,28 @@ def _rule_decode(fn):
     return decode
 
 
-def _rule_rotated(fn):
-    @functools.wraps(fn)
-    def _rotated(self, enc):
-        if isinstance(enc, Encoded) and _rows(enc.shape) == 0:
-            self._check(enc)
-            return np.zeros((0, self.dim))
-        return fn(self, enc)
-    _rotated._shared_rules = True
-    return _rotated
+def _empty_rows_rule(empty):
+    """Wrap a method whose last argument is an ``Encoded``: for zero rows return ``empty(self, *args)``."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def method(self, *args):
+            enc = args[-1]
+            if isinstance(enc, Encoded) and _rows(enc.shape) == 0:
+                self._check(enc)
+                return empty(self, *args)
+            return fn(self, *args)
+        method._shared_rules = True
+        return method
+    return wrap
 
 
-def _rule_scores(fn):
-    @functools.wraps(fn)
-    def scores(self, q_prepared, enc):
-        if isinstance(enc, Encoded) and _rows(enc.shape) == 0:
-            self._check(enc)
-            return np.zeros((q_prepared.shape[0], 0))
-        return fn(self, q_prepared, enc)
-    scores._shared_rules = True
-    return scores
-
-
-def _rule_accumulate(fn):
-    @functools.wraps(fn)
-    def accumulate(self, p, enc):
-        if isinstance(enc, Encoded) and _rows(enc.shape) == 0:
-            self._check(enc)
-            return np.zeros((p.shape[0], self.dim))
-        return fn(self, p, enc)
-    accumulate._shared_rules = True
-    return accumulate
-
-
-_SHARED_RULES = {"encode": _rule_encode, "decode": _rule_decode, "_rotated": _rule_rotated,
-                 "scores": _rule_scores, "accumulate": _rule_accumulate}
+_SHARED_RULES = {
+    "encode": _rule_encode,
+    "decode": _rule_decode,
+    "_rotated": _empty_rows_rule(lambda self, enc: np.zeros((0, self.dim))),
+    "scores": _empty_rows_rule(lambda self, q, enc: np.zeros((q.shape[0], 0))),
+    "accumulate": _empty_rows_rule(lambda self, p, enc: np.zeros((p.shape[0], self.dim))),
+}
 
 
 class Quantizer(ABC):
