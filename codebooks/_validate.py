@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 
@@ -69,3 +70,62 @@ def strictly_increasing(name: str, arr: np.ndarray) -> None:
         raise ValueError(
             f"{name} must be strictly increasing, but {name}[{i}]={arr[i]!r} >= {name}[{i + 1}]={arr[i + 1]!r}"
         )
+
+
+#: Bounds of every JSON file this toolkit reads (manifests, result series, level lists).
+JSON_MAX_BYTES = 64 << 20
+JSON_MAX_DEPTH = 32
+_NUMBER_MAX_CHARS = 40
+
+
+def _json_int(text: str) -> int:
+    if len(text.lstrip("-")) > 19:
+        raise ValueError(f"integer with {len(text.lstrip('-'))} digits (at most 19 allowed)")
+    return int(text)
+
+
+def _json_float(text: str) -> float:
+    if len(text) > _NUMBER_MAX_CHARS:
+        raise ValueError(f"number written with {len(text)} characters (at most {_NUMBER_MAX_CHARS} allowed)")
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text} overflows float64")
+    return value
+
+
+def _json_constant(text: str):
+    raise ValueError(f"{text} is not allowed: JSON here must hold finite numbers")
+
+
+def parse_json(raw: bytes | str, max_depth: int = JSON_MAX_DEPTH, max_bytes: int = JSON_MAX_BYTES):
+    """Parse JSON that nobody vouches for: bounded size and nesting, finite numbers of sane length.
+
+    Raises
+    ------
+    ValueError
+        Describing the problem (the caller adds the file name): not UTF-8, not JSON, larger than
+        ``max_bytes``, nested deeper than ``max_depth``, NaN/Infinity, a number that overflows
+        float64 or is written with more than 40 characters, an integer of more than 19 digits.
+    """
+    if isinstance(raw, str):
+        raw = raw.encode("utf-8", "surrogatepass")
+    if len(raw) > max_bytes:
+        raise ValueError(f"JSON of {len(raw)} bytes is larger than the {max_bytes} allowed")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"not UTF-8 text ({exc})") from None
+    try:
+        obj = json.loads(text, parse_int=_json_int, parse_float=_json_float, parse_constant=_json_constant)
+    except RecursionError:
+        raise ValueError(f"JSON nested deeper than {max_depth} levels") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not valid JSON ({exc})") from None
+    stack = [(obj, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict | list):
+            if depth > max_depth:
+                raise ValueError(f"JSON nested deeper than {max_depth} levels")
+            stack.extend((v, depth + 1) for v in (node.values() if isinstance(node, dict) else node))
+    return obj

@@ -15,21 +15,26 @@ and OSCAR transforms) is an artifact folder:
 
 ``load_artifacts`` re-derives every redundant piece and refuses the folder, naming the file and
 the problem, on any difference: manifest bytes vs their canonical form, its own hash, the file
-hashes, safetensors structure, array dtypes/shapes/hashes, arrays not listed. A single flipped byte
-anywhere is therefore detected. Writing is deterministic: equal content gives equal bytes.
+hashes, safetensors structure and metadata, array dtypes/shapes/hashes, arrays not listed, NaN/Inf
+in any float array, file names outside the folder, JSON size and nesting. A single flipped byte
+anywhere is therefore detected. Each kind's loader then checks its own entry fields against a
+schema. Writing is deterministic (equal content gives equal bytes) and atomic
+(``codebooks._atomic``): a reader sees the whole old set or the whole new set.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from ._atomic import FolderReader, check_name, read_folder, write_folder
+from ._validate import parse_json
 from ._version import TABLE_SCHEMA_VERSION, __version__
 
 __all__ = ["MANIFEST", "TENSORS", "TableFileError", "Artifacts", "save_artifacts", "load_artifacts", "sha256"]
@@ -70,12 +75,6 @@ def _safetensors_bytes(arrays: dict[str, np.ndarray], metadata: dict[str, str]) 
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     return len(text).to_bytes(8, "little") + text + b"".join(chunks)
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 def array_spec(arr: np.ndarray) -> dict:
@@ -127,30 +126,32 @@ def save_artifacts(folder, kind: str, entries: list[dict], arrays: dict[str, np.
         "entries": [{**e, "arrays": {a: array_spec(arrays[a]) for a in e["arrays"]}} for e in entries],
     }
     manifest["manifest_sha256"] = sha256(canonical_json(manifest))
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    _write_atomic(folder / TENSORS, tensors)
-    for n, b in extra_files.items():
-        _write_atomic(folder / n, b)
-    _write_atomic(folder / MANIFEST, canonical_json(manifest))
-    return folder
+    written = {TENSORS: tensors, **extra_files, MANIFEST: canonical_json(manifest)}
+    return write_folder(folder, written, replaceable=lambda f: holds_only(f, written))
+
+
+def holds_only(folder: Path, names) -> bool:
+    """True if ``folder`` holds nothing but regular files named in ``names`` (an existing folder is
+    replaced only then: never a folder with a user's other files)."""
+    return all(p.name in names and p.is_file() and not p.is_symlink() for p in folder.iterdir())
 
 
 @dataclass(frozen=True)
 class Artifacts:
-    """A validated artifact folder: its manifest, its entries and all arrays by name."""
+    """A validated artifact folder: its manifest, its entries, all arrays by name, the other files' bytes."""
 
     folder: Path
     manifest: dict
     arrays: dict
+    files: dict
 
     @property
     def entries(self) -> list[dict]:
         return self.manifest["entries"]
 
     def file_bytes(self, name: str) -> bytes:
-        """An extra file's bytes (already checked against its sha256)."""
-        return (self.folder / name).read_bytes()
+        """An extra file's bytes (already checked against its sha256; read with the rest of the set)."""
+        return self.files[name]
 
 
 def fail(path: Path, problem: str):
@@ -158,22 +159,36 @@ def fail(path: Path, problem: str):
     raise TableFileError(f"{path}: {problem}")
 
 
-def _read(path: Path) -> bytes:
-    if not path.is_file():
-        fail(path, "file is missing")
-    return path.read_bytes()
+#: Largest manifest and tensor file a reader accepts.
+MAX_MANIFEST_BYTES = 64 << 20
+MAX_TENSOR_BYTES = 16 << 30
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_TOP_KEYS = {"schema_version", "generator", "kind", "files", "entries", "manifest_sha256"}
+_NAME_DTYPE = {v: k for k, v in _DTYPES.items()}
+_SPEC_DTYPES = {str(k) for k in _DTYPES}
+
+
+def is_int(v) -> bool:
+    """A JSON integer (bool excluded)."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _shape_ok(shape) -> bool:
+    return isinstance(shape, list) and len(shape) <= 8 and all(is_int(n) and 0 <= n < 2**40 for n in shape)
 
 
 def _parse_manifest(path: Path, raw: bytes, kind: str) -> dict:
     try:
-        manifest = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        fail(path, f"not valid JSON ({exc})")
+        manifest = parse_json(raw)
+    except ValueError as exc:
+        fail(path, str(exc))
     if not isinstance(manifest, dict):
         fail(path, "top level must be a JSON object")
     schema = manifest.get("schema_version")
-    if schema != TABLE_SCHEMA_VERSION:
-        fail(path, f"schema version {schema!r} is not supported (this reader: {TABLE_SCHEMA_VERSION})")
+    if not is_int(schema) or schema != TABLE_SCHEMA_VERSION:
+        fail(path, f"field 'schema_version': schema version {schema!r} is not supported (this reader: {TABLE_SCHEMA_VERSION})")
+    if set(manifest) != _TOP_KEYS:
+        fail(path, f"top-level fields {sorted(manifest)}, expected {sorted(_TOP_KEYS)}")
     for key, typ in (("generator", str), ("kind", str), ("files", dict), ("entries", list),
                      ("manifest_sha256", str)):
         if not isinstance(manifest.get(key), typ):
@@ -184,37 +199,101 @@ def _parse_manifest(path: Path, raw: bytes, kind: str) -> dict:
     if canonical_json(manifest) != raw:
         fail(path, "bytes differ from the canonical serialisation (edited or corrupted)")
     if manifest["kind"] != kind:
-        fail(path, f"holds {manifest['kind']!r} artifacts, expected {kind!r}")
+        fail(path, f"field 'kind': holds {manifest['kind']!r} artifacts, expected {kind!r}")
     if not re.fullmatch(r"kvq-codebooks \S+", manifest["generator"]):
-        fail(path, f"unexpected generator {manifest['generator']!r}")
+        fail(path, f"field 'generator': unexpected {manifest['generator']!r}")
+    for name, digest in manifest["files"].items():
+        try:
+            check_name(name)
+        except ValueError as exc:
+            fail(path, f"field 'files': {exc} (refused: outside the folder or hidden)")
+        if name == MANIFEST or not isinstance(digest, str) or not _HEX64.fullmatch(digest):
+            fail(path, f"field 'files': entry {name!r} must map a data file to a sha256 hex digest")
+    if TENSORS not in manifest["files"]:
+        fail(path, f"field 'files' does not list {TENSORS}")
+    seen = set()
+    for i, entry in enumerate(manifest["entries"]):
+        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str) or not entry["name"] \
+                or not isinstance(entry.get("arrays"), dict):
+            fail(path, f"entries[{i}] must be an object with a non-empty string 'name' and an object 'arrays'")
+        if entry["name"] in seen:
+            fail(path, f"entries[{i}]: name {entry['name']!r} is listed twice")
+        seen.add(entry["name"])
+        for key, spec in entry["arrays"].items():
+            if not isinstance(spec, dict) or set(spec) != {"dtype", "shape", "sha256"} \
+                    or not isinstance(spec["dtype"], str) or spec["dtype"] not in _SPEC_DTYPES \
+                    or not _shape_ok(spec["shape"]) or not isinstance(spec["sha256"], str) \
+                    or not _HEX64.fullmatch(spec["sha256"]):
+                fail(path, f"entry {entry['name']!r}: array {key!r} spec must be {{dtype, shape, sha256}} with a "
+                           f"supported dtype, a list of sizes and a hex digest; got {spec!r:.200}")
     return manifest
 
 
-def load_artifacts(folder, kind: str) -> Artifacts:
-    """Load and validate an artifact folder of the given ``kind`` (``TableFileError`` otherwise)."""
-    from safetensors import SafetensorError
-    from safetensors.numpy import load
-
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise TableFileError(f"{folder}: not a table folder (directory missing)")
-    mpath = folder / MANIFEST
-    manifest = _parse_manifest(mpath, _read(mpath), kind)
-    if TENSORS not in manifest["files"]:
-        fail(mpath, f"does not list {TENSORS}")
-    for name, digest in manifest["files"].items():
-        path = folder / name
-        if sha256(_read(path)) != digest:
-            fail(path, "sha256 does not match the manifest (corrupted, truncated or replaced)")
-    tpath = folder / TENSORS
+def _parse_safetensors(path: Path, raw: bytes, kind: str) -> dict[str, np.ndarray]:
+    """Arrays of a safetensors file this toolkit wrote, with every header field checked."""
+    if len(raw) < 8:
+        fail(path, f"truncated: {len(raw)} bytes")
+    n = int.from_bytes(raw[:8], "little")
+    if n > len(raw) - 8 or n > MAX_MANIFEST_BYTES:
+        fail(path, f"header length {n} exceeds the file ({len(raw)} bytes)")
     try:
-        tensors = load(_read(tpath))
-    except (SafetensorError, ValueError, OSError) as exc:
-        fail(tpath, f"unreadable safetensors ({exc})")
+        header = parse_json(raw[8:8 + n], max_depth=4)
+    except ValueError as exc:
+        fail(path, f"header: {exc}")
+    if not isinstance(header, dict):
+        fail(path, "header must be a JSON object")
+    meta = header.pop("__metadata__", None)
+    want = {"schema_version": str(TABLE_SCHEMA_VERSION), "kind": kind}
+    if not isinstance(meta, dict) or {k: meta.get(k) for k in want} != want \
+            or not isinstance(meta.get("generator"), str) or set(meta) != {*want, "generator"}:
+        fail(path, f"header metadata {meta!r:.200} does not say schema_version "
+                   f"{TABLE_SCHEMA_VERSION}, kind {kind!r} and a generator")
+    data = memoryview(raw)[8 + n:]
+    arrays, spans = {}, []
+    for key, spec in header.items():
+        if not isinstance(spec, dict) or set(spec) != {"dtype", "shape", "data_offsets"}:
+            fail(path, f"tensor {key!r}: header entry must hold dtype, shape, data_offsets")
+        dtype = _NAME_DTYPE.get(spec["dtype"]) if isinstance(spec["dtype"], str) else None
+        if dtype is None:
+            fail(path, f"tensor {key!r}: dtype {spec['dtype']!r} is not one this toolkit writes "
+                       f"({', '.join(sorted(_NAME_DTYPE))})")
+        off = spec["data_offsets"]
+        if not _shape_ok(spec["shape"]) or not isinstance(off, list) or len(off) != 2 \
+                or not all(is_int(o) for o in off) or not 0 <= off[0] <= off[1] <= len(data) \
+                or off[1] - off[0] != math.prod(spec["shape"]) * dtype.itemsize:
+            fail(path, f"tensor {key!r}: shape {spec['shape']!r} and data_offsets {off!r} do not fit the data")
+        spans.append((off[0], off[1]))
+        arrays[key] = np.frombuffer(data[off[0]:off[1]], dtype=dtype).reshape(spec["shape"])
+    end = 0
+    for lo, hi in sorted(spans):
+        if lo != end:
+            fail(path, "tensor data has gaps or overlaps")
+        end = hi
+    if end != len(data):
+        fail(path, f"{len(data) - end} bytes after the last tensor")
+    return arrays
+
+
+def _load(reader: FolderReader, kind: str) -> Artifacts:
+    folder = reader.folder
+    mpath, tpath = folder / MANIFEST, folder / TENSORS
+
+    def read(name, limit):
+        try:
+            return reader.read(name, limit)
+        except ValueError as exc:
+            raise TableFileError(str(exc)) from None
+
+    manifest = _parse_manifest(mpath, read(MANIFEST, MAX_MANIFEST_BYTES), kind)
+    files = {}
+    for name, digest in manifest["files"].items():
+        data = read(name, MAX_TENSOR_BYTES)
+        if sha256(data) != digest:
+            fail(folder / name, "sha256 does not match the manifest (corrupted, truncated or replaced)")
+        files[name] = data
+    tensors = _parse_safetensors(tpath, files.pop(TENSORS), kind)
     listed = set()
     for entry in manifest["entries"]:
-        if not isinstance(entry, dict) or not isinstance(entry.get("arrays"), dict) or "name" not in entry:
-            fail(mpath, "an entry lacks 'name' or 'arrays'")
         for key, spec in entry["arrays"].items():
             if key in listed:
                 fail(mpath, f"array {key!r} is listed twice")
@@ -222,14 +301,74 @@ def load_artifacts(folder, kind: str) -> Artifacts:
             if key not in tensors:
                 fail(tpath, f"array {key!r} listed in the manifest is missing")
             arr = tensors[key]
-            if not isinstance(spec, dict) or str(arr.dtype) != spec.get("dtype") or list(arr.shape) != spec.get("shape"):
+            if str(arr.dtype) != spec["dtype"] or list(arr.shape) != spec["shape"]:
                 fail(tpath, f"array {key!r} has dtype {arr.dtype} shape {list(arr.shape)}, manifest says "
-                            f"{spec.get('dtype') if isinstance(spec, dict) else spec}")
-            if sha256(np.ascontiguousarray(arr).tobytes()) != spec.get("sha256"):
+                            f"{spec['dtype']} {spec['shape']}")
+            if sha256(arr.tobytes()) != spec["sha256"]:
                 fail(tpath, f"array {key!r} does not match its sha256 (corrupted)")
+            if arr.dtype.kind == "f" and not np.all(np.isfinite(arr)):
+                fail(tpath, f"array {key!r} holds {int(np.count_nonzero(~np.isfinite(arr)))} NaN/Inf value(s)")
     extra = sorted(set(tensors) - listed)
     if extra:
         fail(tpath, f"arrays not listed in the manifest: {extra[:5]}")
-    for arr in tensors.values():
+    out = {}
+    for key, arr in tensors.items():
+        arr = arr.astype(arr.dtype.newbyteorder("="))  # native-order copy, independent of the file bytes
         arr.setflags(write=False)
-    return Artifacts(folder, manifest, tensors)
+        out[key] = arr
+    return Artifacts(folder, manifest, out, files)
+
+
+def load_artifacts(folder, kind: str) -> Artifacts:
+    """Load and validate an artifact folder of the given ``kind`` (``TableFileError`` otherwise).
+
+    All files are read from one consistent view of the folder (``codebooks._atomic.read_folder``:
+    a concurrent writer's swap is never seen half done).
+    """
+    folder = Path(folder)
+    try:
+        return read_folder(folder, lambda reader: _load(reader, kind))
+    except TableFileError:
+        raise
+    except ValueError as exc:
+        msg = str(exc)
+        if msg.endswith("directory missing"):
+            msg = f"{folder}: not a table folder (directory missing)"
+        raise TableFileError(msg) from None
+
+
+def check_keys(path: Path, entry: dict, keys) -> None:
+    """The entry has exactly ``keys`` (besides ``name`` and ``arrays``)."""
+    want, have = set(keys) | {"name", "arrays"}, set(entry)
+    if have != want:
+        parts = [f"missing {sorted(want - have)}" if want - have else "", f"unknown {sorted(have - want)}" if have - want else ""]
+        fail(path, f"entry {entry.get('name')!r}: fields {' and '.join(p for p in parts if p)}")
+
+
+def field_int(path: Path, entry: dict, key: str, lo: int | None = None, hi: int | None = None) -> int:
+    """Integer field ``key`` of ``entry`` in ``[lo, hi]`` (booleans refused), else ``TableFileError``."""
+    v = entry.get(key)
+    if not is_int(v) or (lo is not None and v < lo) or (hi is not None and v > hi):
+        rng = f" in {lo}..{hi}" if hi is not None else (f" >= {lo}" if lo is not None else "")
+        fail(path, f"entry {entry.get('name')!r}: field {key!r} must be an integer{rng}, got {v!r:.60}")
+    return v
+
+
+def field_float(path: Path, entry: dict, key: str, lo: float | None = None, allow_none: bool = False) -> float | None:
+    """Finite number field ``key`` (>= ``lo`` if given), else ``TableFileError``."""
+    v = entry.get(key)
+    if v is None and allow_none:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) \
+            or (lo is not None and v < lo):
+        fail(path, f"entry {entry.get('name')!r}: field {key!r} must be a finite number"
+                   f"{f' >= {lo}' if lo is not None else ''}, got {v!r:.60}")
+    return float(v)
+
+
+def field_str(path: Path, entry: dict, key: str, pattern: str = r".{1,200}") -> str:
+    """String field ``key`` matching ``pattern``, else ``TableFileError``."""
+    v = entry.get(key)
+    if not isinstance(v, str) or not re.fullmatch(pattern, v):
+        fail(path, f"entry {entry.get('name')!r}: field {key!r} must be a string matching {pattern}, got {v!r:.60}")
+    return v

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import json
+import io
+import math
 import re
 import sys
 from collections.abc import Iterable
@@ -10,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ._atomic import read_file
+from ._validate import JSON_MAX_BYTES, parse_json
 from .codebook import Codebook
 from .densities import Density, Gaussian, PolarAngle, SphereMarginal
 from .solver import lloyd_max
@@ -58,40 +61,73 @@ def build(jobs: Iterable[tuple[Density, Iterable[int]]], progress: bool | None =
     return [lloyd_max(d, b) for d, b in it]
 
 
-def parse_int_list(text: str, name: str) -> list[int]:
-    """'1-3,8' -> [1, 2, 3, 8] (order kept, duplicates dropped)."""
-    out: list[int] = []
+def parse_int_list(text: str, name: str, lo: int | None = None, hi: int | None = None,
+                   max_items: int = 10_000) -> list[int]:
+    """'1-3,8' -> [1, 2, 3, 8] (order kept, duplicates dropped).
+
+    Every bound is checked against ``[lo, hi]`` and the total count against ``max_items`` before
+    any range is expanded (``1-99999999999`` is refused at once, not after filling memory).
+    """
+    parts = []
     for part in str(text).split(","):
-        m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", part)
+        m = re.fullmatch(r"\s*(\d{1,18})\s*(?:-\s*(\d{1,18})\s*)?", part)
         if not m or (m.group(2) is not None and int(m.group(2)) < int(m.group(1))):
             raise ValueError(f"{name}: cannot parse {part!r} (expected e.g. '1-8' or '64,128')")
-        lo = int(m.group(1))
-        out.extend(range(lo, int(m.group(2) or lo) + 1))
+        a = int(m.group(1))
+        b = int(m.group(2) or a)
+        if (lo is not None and a < lo) or (hi is not None and b > hi):
+            rng = f"{lo}..{hi}" if lo is not None and hi is not None else (f">= {lo}" if lo is not None else f"<= {hi}")
+            raise ValueError(f"{name}: {part.strip()!r} is outside {rng}")
+        parts.append((a, b))
+    total = sum(b - a + 1 for a, b in parts)
+    if total > max_items:
+        raise ValueError(f"{name}: {text!r} names {total} values, more than the {max_items} allowed")
+    out = [v for a, b in parts for v in range(a, b + 1)]
     return list(dict.fromkeys(out))
 
 
 def parse_float_list(text: str, name: str) -> list[float]:
-    """'0.5,1' -> [0.5, 1.0]."""
+    """'0.5,1' -> [0.5, 1.0] (finite numbers only)."""
     try:
-        return list(dict.fromkeys(float(p) for p in str(text).split(",")))
+        vals = [float(p) for p in str(text).split(",")]
     except ValueError:
         raise ValueError(f"{name}: cannot parse {text!r} (expected e.g. '0.5,1')") from None
+    if not all(math.isfinite(v) for v in vals):
+        raise ValueError(f"{name}: {text!r} holds a non-finite number")
+    return list(dict.fromkeys(vals))
 
 
-def read_levels(spec: str) -> np.ndarray:
-    """Levels from a file (.npy, .json list, or whitespace/comma-separated text) or a list."""
+def read_levels(spec: str, name: str = "--levels") -> np.ndarray:
+    """Levels from a file (.npy, .json list, or whitespace/comma-separated text) or a list.
+
+    A file must be a regular file of at most 64 MiB; JSON is parsed with bounded nesting and finite
+    numbers (``parse_json``). Any problem is one ``ValueError`` naming ``name`` and the file.
+    """
     path = Path(spec)
+    if path.exists() and not path.is_file():
+        raise ValueError(f"{name}: {path} is {'a directory' if path.is_dir() else 'not a regular file'}")
     if path.is_file():
-        if path.suffix == ".npy":
-            return np.load(path, allow_pickle=False).ravel()
-        text = path.read_text()
-        if path.suffix == ".json":
-            return np.asarray(json.loads(text), dtype=np.float64).ravel()
-        return np.asarray([float(t) for t in text.replace(",", " ").split()], dtype=np.float64)
+        try:
+            raw = read_file(path, JSON_MAX_BYTES)
+            if path.suffix == ".npy":
+                arr = np.load(io.BytesIO(raw), allow_pickle=False)
+            elif path.suffix == ".json":
+                obj = parse_json(raw)
+                if not isinstance(obj, list) or not all(isinstance(v, int | float) and not isinstance(v, bool)
+                                                        for v in obj):
+                    raise ValueError("expected a flat JSON list of numbers")
+                arr = np.asarray(obj, dtype=np.float64)
+            else:
+                arr = np.asarray([float(t) for t in raw.decode("utf-8").replace(",", " ").split()], dtype=np.float64)
+        except (ValueError, UnicodeDecodeError, OSError) as exc:
+            raise ValueError(f"{name}: {path}: {exc}") from None
+        if arr.dtype.kind not in "fiu":
+            raise ValueError(f"{name}: {path} holds {arr.dtype} values, not numbers")
+        return arr.astype(np.float64).ravel()
     try:
         return np.asarray([float(t) for t in spec.replace(",", " ").split()], dtype=np.float64)
     except ValueError:
-        raise ValueError(f"--levels: {spec!r} is neither a file nor a list of numbers") from None
+        raise ValueError(f"{name}: {spec!r} is neither a file nor a list of numbers") from None
 
 
 def shipped_tables():

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .artifacts import fail, load_artifacts, save_artifacts
+from .artifacts import MANIFEST, TENSORS, check_keys, fail, field_float, field_int, load_artifacts, save_artifacts
 
 __all__ = ["Moments", "HeadStats", "CalibrationStats", "attention_weights"]
 
@@ -265,17 +265,45 @@ class CalibrationStats:
 
     @classmethod
     def load(cls, folder) -> "CalibrationStats":
-        """Read what ``save`` wrote (``TableFileError`` on any corruption)."""
+        """Read what ``save`` wrote (``TableFileError`` naming the file and field on any problem).
+
+        Checks every entry field (types, ranges, one ``d`` for all heads, names ``layer<L>.head<H>``),
+        every array's shape, and that ``qq`` and the scatter matrices are symmetric with a
+        non-negative diagonal (the artifact layer has already refused NaN/Inf and edited bytes).
+        """
         art = load_artifacts(folder, KIND)
+        mpath, tpath = art.folder / MANIFEST, art.folder / TENSORS
         if not art.entries:
-            fail(art.folder / "manifest.json", "holds no heads")
-        out = cls(int(art.entries[0]["d"]))
+            fail(mpath, "holds no heads")
+        d = field_int(mpath, art.entries[0], "d", 2, 2**16)
+        out = cls(d)
         for e in art.entries:
-            st = HeadStats(out.d)
-            st.n_queries = int(e["n_queries"])
-            a = {f: np.array(art.arrays[f"{e['name']}.{f}"]) for f in cls._FIELDS}
+            check_keys(mpath, e, ("layer", "head", "d", "n_queries", "weights"))
+            layer, h = field_int(mpath, e, "layer", 0, 2**20), field_int(mpath, e, "head", 0, 2**20)
+            if e["name"] != f"layer{layer}.head{h}":
+                fail(mpath, f"entry {e['name']!r}: name must be 'layer{layer}.head{h}' (its layer and head fields)")
+            if field_int(mpath, e, "d", 2, 2**16) != d:
+                fail(mpath, f"entry {e['name']!r}: field 'd' is {e['d']}, the first head has {d}")
+            w = e["weights"]
+            if not isinstance(w, dict) or set(w) != {"keys", "values_s2", "values_s1"}:
+                fail(mpath, f"entry {e['name']!r}: field 'weights' must hold keys, values_s2, values_s1")
+            weights = {k: field_float(mpath, {"name": e["name"], f"weights.{k}": w[k]}, f"weights.{k}", 0.0) for k in w}
+            if set(e["arrays"]) != {f"{e['name']}.{f}" for f in cls._FIELDS}:
+                fail(mpath, f"entry {e['name']!r}: arrays are not {list(cls._FIELDS)}")
+            a = {}
+            for f in cls._FIELDS:
+                arr = art.arrays[f"{e['name']}.{f}"]
+                shape = (d,) if f.endswith("mean") else (d, d)
+                if arr.shape != shape or arr.dtype != np.float64:
+                    fail(tpath, f"array {e['name']}.{f} is {arr.dtype} {arr.shape}, expected float64 {shape}")
+                if len(shape) == 2 and (not np.allclose(arr, arr.T, rtol=1e-9, atol=1e-12 * np.abs(arr).max())
+                                        or np.any(np.diag(arr) < 0)):
+                    fail(tpath, f"array {e['name']}.{f} is not symmetric with a non-negative diagonal")
+                a[f] = np.array(arr)
+            st = HeadStats(d)
+            st.n_queries = field_int(mpath, e, "n_queries", 0)
             st.qq = a["qq"]
             for obj in ("keys", "values_s2", "values_s1"):
-                setattr(st, obj, Moments(out.d, float(e["weights"][obj]), a[f"{obj}.mean"], a[f"{obj}.m2"]))
-            out.heads[(int(e["layer"]), int(e["head"]))] = st
+                setattr(st, obj, Moments(d, weights[obj], a[f"{obj}.mean"], a[f"{obj}.m2"]))
+            out.heads[(layer, h)] = st
         return out

@@ -20,11 +20,14 @@ import sys
 import time
 from pathlib import Path
 
+from ._atomic import check_output_folder, read_file
+from ._validate import MAX_BITS, check_int
 from ._version import __version__
+from .artifacts import MANIFEST, TENSORS, holds_only
 from .audit import audit
 from .build import build, default_densities, parse_float_list, parse_int_list, read_levels
-from .densities import Density, Gaussian, PolarAngle, SphereMarginal
-from .tables import TableFileError, load_tables, save_tables
+from .densities import MAX_POLAR_LEVEL, Density, Gaussian, PolarAngle, SphereMarginal
+from .tables import HEADER, TableFileError, load_tables, save_tables
 
 #: Entry-point group through which installed packages add subcommands: ``name = "module:function"`` with
 #: ``function(argv: list[str]) -> int`` (kvq_ref registers ``golden`` in pyproject.toml). codebooks only
@@ -41,13 +44,13 @@ def _densities(args, allow_many: bool = True) -> list[Density]:
         if dist == "sphere":
             if args.dim is None:
                 raise ValueError("--dist sphere needs --dim (e.g. --dim 64,128)")
-            out += [SphereMarginal(d) for d in parse_int_list(args.dim, "--dim")]
+            out += [SphereMarginal(d) for d in parse_int_list(args.dim, "--dim", 2, 2**20)]
         elif dist == "gaussian":
             out += [Gaussian(s) for s in parse_float_list(args.sigma, "--sigma")]
         elif dist == "polar":
             if args.level is None:
                 raise ValueError("--dist polar needs --level (e.g. --level 1-4)")
-            out += [PolarAngle(level) for level in parse_int_list(args.level, "--level")]
+            out += [PolarAngle(level) for level in parse_int_list(args.level, "--level", 1, MAX_POLAR_LEVEL)]
         else:
             raise ValueError(f"--dist must be sphere, gaussian or polar, got {dist!r}")
     if not allow_many and len(out) != 1:
@@ -56,10 +59,11 @@ def _densities(args, allow_many: bool = True) -> list[Density]:
 
 
 def _cmd_build(args) -> int:
+    check_output_folder(args.out, "--out", lambda f: holds_only(f, (MANIFEST, TENSORS, HEADER)))
     if args.default:
         jobs = default_densities()
     else:
-        bits = parse_int_list(args.bits, "--bits")
+        bits = parse_int_list(args.bits, "--bits", 1, MAX_BITS)
         jobs = [(d, bits) for d in _densities(args)]
     t0 = time.perf_counter()
     cbs = build(jobs, progress=None if not args.quiet else False)
@@ -135,9 +139,14 @@ def read_qkv(path) -> tuple[list[dict], int]:
     from safetensors.numpy import load_file
 
     try:
+        read_file(path, 0)  # a regular file? (FIFOs, directories, missing files named as such)
+    except ValueError as exc:
+        if "more than the 0 allowed" not in str(exc):
+            raise ValueError(f"--qkv {exc}") from None
+    try:
         tensors = load_file(str(path))
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise ValueError(f"--qkv {path}: not a readable safetensors file ({exc})") from None
+    except (SafetensorError, OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"--qkv {path}: not a readable safetensors file of float arrays ({exc!r})") from None
     layers = sorted({int(m.group(1)) for k in tensors if (m := re.fullmatch(r"layer(\d+)\.[qkv]", k))})
     if not layers:
         raise ValueError(f"--qkv {path}: no tensors named layer<L>.q/.k/.v")
@@ -167,11 +176,18 @@ def read_qkv(path) -> tuple[list[dict], int]:
 def _cmd_calibrate(args) -> int:
     from .nova import calibrate
 
+    out = check_output_folder(args.out, "--out", lambda f: True)  # only its two subfolders are replaced
+    for sub in ("nova_kv", "calibration"):
+        check_output_folder(out / sub, "--out", lambda f: holds_only(f, (MANIFEST, TENSORS)))
+    check_int("--group", args.group, 1, 8)
+    check_int("--bits", args.bits, 1, 8)
+    check_int("--iterations", args.iterations, 0, 10**6)
+    check_int("--max-train-tokens", args.max_train_tokens, 1)
+    check_int("--seed", args.seed, 0, 2**63 - 1)
     seqs, d = read_qkv(args.qkv)
     t0 = time.perf_counter()
     stats, model = calibrate(seqs, d, g=args.group, bits=args.bits, iterations=args.iterations, seed=args.seed,
                              grouping=args.grouping, max_train_tokens=args.max_train_tokens)
-    out = Path(args.out)
     model.save(out / "nova_kv")
     stats.save(out / "calibration")
     floored = sum(hd.key.n_floored for hd in model.heads.values())
@@ -252,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, TypeError, TableFileError) as exc:
+    except (ValueError, TypeError, TableFileError, OSError) as exc:
         print(f"kvq-codebooks {args.cmd}: error: {exc}", file=sys.stderr)
         return 2
 

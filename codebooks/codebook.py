@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from ._validate import check_bits, finite_array, strictly_increasing
+from ._validate import check_bits, check_int, finite_array, strictly_increasing
 from ._version import TABLE_SCHEMA_VERSION, __version__
 from .densities import Density, SphereMarginal
 
@@ -76,13 +78,23 @@ class Codebook:
         strictly_increasing("thresholds", thresholds)
         if thresholds.size and not (np.all(levels[:-1] < thresholds) and np.all(thresholds < levels[1:])):
             raise ValueError("thresholds must interleave the levels: levels[i] < thresholds[i] < levels[i+1]")
-        if not np.isfinite(self.mse) or self.mse < 0:
+        if isinstance(self.mse, bool) or not isinstance(self.mse, numbers.Real) or not math.isfinite(self.mse) \
+                or self.mse < 0:
             raise ValueError(f"mse must be finite and >= 0, got {self.mse!r}")
         for name, arr in (("levels", levels), ("thresholds", thresholds)):
             arr.setflags(write=False)
             object.__setattr__(self, name, arr)
         object.__setattr__(self, "mse", float(self.mse))
+        if not isinstance(self.solver, str) or not self.solver:
+            raise TypeError(f"solver must be a non-empty string, got {self.solver!r}")
+        object.__setattr__(self, "iterations", check_int("iterations", self.iterations, lo=0))
+        if isinstance(self.residual, bool) or not isinstance(self.residual, numbers.Real) \
+                or not math.isfinite(self.residual) or self.residual < 0:
+            raise ValueError(f"residual must be a finite number >= 0, got {self.residual!r}")
         object.__setattr__(self, "residual", float(self.residual))
+        if not isinstance(self.version, str) or not self.version:
+            raise TypeError(f"version must be a non-empty string, got {self.version!r}")
+        object.__setattr__(self, "schema", check_int("schema", self.schema, lo=1))
 
     @property
     def name(self) -> str:

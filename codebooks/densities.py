@@ -36,7 +36,7 @@ from __future__ import annotations
 import hashlib
 import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import ClassVar
 
 import numpy as np
@@ -50,6 +50,10 @@ __all__ = ["Density", "SphereMarginal", "Gaussian", "PolarAngle", "Empirical", "
 #: Level 16 covers blocks of d = 2^16 coordinates. Beyond it the angle's spread (~2^(-l/2)) is so
 #: small next to pi/4 that float64 angles cannot resolve levels to 1e-13 of a standard deviation.
 MAX_POLAR_LEVEL = 16
+#: Scales (Gaussian sigma, Empirical spread and magnitude) for which the variance and a 12-bit
+#: distortion (about 1.6e-7 sigma^2) are normal float64 numbers: outside it mse would underflow to
+#: 0 or a denormal, or sigma^2 would overflow, so such densities are refused.
+SCALE_RANGE = (1e-150, 1e150)
 
 
 @dataclass(frozen=True)
@@ -378,7 +382,11 @@ class Gaussian(Density):
     kind: ClassVar[str] = "gaussian"
 
     def __post_init__(self):
-        object.__setattr__(self, "sigma", check_positive("sigma", self.sigma))
+        sigma = check_positive("sigma", self.sigma)
+        if not SCALE_RANGE[0] <= sigma <= SCALE_RANGE[1]:
+            raise ValueError(f"sigma must be in [{SCALE_RANGE[0]:g}, {SCALE_RANGE[1]:g}] (beyond it sigma^2 or the "
+                             f"distortion leave the normal float64 range), got {sigma!r}; rescale the data")
+        object.__setattr__(self, "sigma", sigma)
 
     @property
     def support(self):
@@ -612,8 +620,20 @@ class Empirical(Density):
                 "samples must contain at least 2 distinct values with positive weight "
                 f"(got {values.size}); a constant sample has no codebook to solve"
             )
-        masses = np.bincount(inverse, weights=w[keep], minlength=values.size)
-        probs = masses / masses.sum()
+        spread, size = float(values[-1] - values[0]), float(np.max(np.abs(values)))
+        if not (SCALE_RANGE[0] <= spread and size <= SCALE_RANGE[1]):
+            raise ValueError(f"samples must span at least {SCALE_RANGE[0]:g} and stay within +-{SCALE_RANGE[1]:g} "
+                             f"(got span {spread!r}, largest magnitude {size!r}): the distortion would leave the "
+                             "normal float64 range; rescale the data")
+        wk = w[keep]
+        with np.errstate(over="ignore"):
+            masses = np.bincount(inverse, weights=wk, minlength=values.size)
+            if not (np.all(np.isfinite(masses)) and np.isfinite(masses.sum())):
+                # sums overflow: rescale by a power of two (exact), so masses stay a faithful record
+                wk = np.ldexp(wk, -math.frexp(float(wk.max()))[1] - int(math.ceil(math.log2(wk.size))) - 1)
+                masses = np.bincount(inverse, weights=wk, minlength=values.size)
+        rel = masses / masses.max()  # scale-invariant: no overflow or underflow of the total
+        probs = rel / rel.sum()
         for name, arr in (("samples", x), ("weights", w), ("values", values), ("masses", masses),
                           ("probs", probs)):
             arr.setflags(write=False)
@@ -684,4 +704,11 @@ def density_from_params(kind: str, params: dict) -> Density:
     """Rebuild a continuous density from the ``(kind, params)`` a manifest records."""
     if kind not in _KINDS:
         raise ValueError(f"unknown density kind {kind!r}; expected one of {sorted(_KINDS)}")
-    return _KINDS[kind](**params)
+    cls = _KINDS[kind]
+    want = {f.name for f in fields(cls) if f.init}
+    if not isinstance(params, dict) or set(params) != want:
+        raise ValueError(f"{kind} params must be exactly {sorted(want)}, got {params!r:.100}")
+    density = cls(**params)
+    if density.params() != params:
+        raise ValueError(f"{kind} params {params!r:.100} do not round-trip ({density.params()!r:.100})")
+    return density

@@ -21,7 +21,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .artifacts import fail, load_artifacts, save_artifacts
+from ._validate import check_int
+from .artifacts import (MANIFEST, TENSORS, check_keys, fail, field_float, field_int, field_str, load_artifacts,
+                        save_artifacts)
 from .calibration import CalibrationStats
 from .grouping import equal_volume_groups
 from .transforms import KeyTransform, ValueTransform, head_transforms, oscar_rotation
@@ -120,46 +122,106 @@ class NovaModel:
 
     @classmethod
     def load(cls, folder) -> "NovaModel":
-        """Read what ``save`` wrote (``TableFileError`` on any corruption or inconsistency)."""
+        """Read what ``save`` wrote (``TableFileError`` naming the file and field on any problem).
+
+        Every entry field is checked (types, ranges, ``bits * g <= 8``, ``g`` dividing ``d``, the
+        name ``layer<L>.head<H>``), every array's shape against ``d``, ``g`` and ``bits``, the groups
+        for being partitions, variances for being >= 0, ``key.forward @ key.inverse = I`` and the
+        value basis, the OSCAR rotations and the NOVA-KV value rotation for being orthogonal (both to 1e-6 relative); the artifact
+        layer has already refused NaN/Inf and any byte that differs from its hashes.
+        """
         art = load_artifacts(folder, KIND)
-        heads, meta = {}, {}
+        mpath = art.folder / MANIFEST
+        heads, meta = {}, None
         for e in art.entries:
             if e["name"] == "meta":
-                meta = {k: v for k, v in e.items() if k not in ("name", "arrays")}
+                meta = _check_meta(mpath, e)
                 continue
-            a = {k.split(".", 2)[-1]: np.array(v) for k, v in art.arrays.items() if k.startswith(e["name"] + ".")}
-            try:
-                hd = NovaHead(
-                    key=KeyTransform(a["key.mu"], a["key.forward"], a["key.inverse"], a["key.variances"],
-                                     float(e["key_floor"]), int(e["key_n_floored"])),
-                    value=ValueTransform(a["value.mu"], a["value.basis"], a["value.variances"]),
-                    key_groups=a["key.groups"], value_groups=a["value.groups"],
-                    key_centroids=a["key.centroids"], value_centroids=a["value.centroids"],
-                    oscar_key=a["oscar.key"], oscar_value=a["oscar.value"], nova_value=a["nova.value"],
-                    bits=int(e["bits"]), g=int(e["g"]))
-            except KeyError as exc:
-                fail(art.folder / "manifest.json", f"{e['name']} lacks array {exc}")
-            _validate(hd, art.folder / "manifest.json", e["name"])
-            heads[(int(e["layer"]), int(e["head"]))] = hd
+            check_keys(mpath, e, ("layer", "head", "d", "bits", "g", "key_floor", "key_n_floored"))
+            layer, h = field_int(mpath, e, "layer", 0, 2**20), field_int(mpath, e, "head", 0, 2**20)
+            if e["name"] != f"layer{layer}.head{h}":
+                fail(mpath, f"entry {e['name']!r}: name must be 'layer{layer}.head{h}' (its layer and head fields)")
+            d, bits, g = field_int(mpath, e, "d", 2, 2**16), field_int(mpath, e, "bits", 1, 8), field_int(mpath, e, "g", 1, 8)
+            if bits * g > 8 or d % g:
+                fail(mpath, f"entry {e['name']!r}: fields bits={bits}, g={g} need bits*g <= 8 and g dividing d={d}")
+            floor = field_float(mpath, e, "key_floor", 0.0)
+            n_floored = field_int(mpath, e, "key_n_floored", 0, d)
+            want = _head_layout(d, bits, g)
+            names = {f"{e['name']}.{k}" for k in want}
+            if set(e["arrays"]) != names:
+                fail(mpath, f"entry {e['name']!r}: arrays {sorted(e['arrays'])[:4]}... are not the {len(want)} "
+                            f"arrays of a head")
+            a = {}
+            for k, (shape, dtype) in want.items():
+                arr = art.arrays[f"{e['name']}.{k}"]
+                if arr.shape != shape or arr.dtype != dtype:
+                    fail(art.folder / TENSORS, f"array {e['name']}.{k} is {arr.dtype} {arr.shape}, expected "
+                                               f"{np.dtype(dtype)} {shape}")
+                a[k] = np.array(arr)
+            hd = NovaHead(
+                key=KeyTransform(a["key.mu"], a["key.forward"], a["key.inverse"], a["key.variances"], floor, n_floored),
+                value=ValueTransform(a["value.mu"], a["value.basis"], a["value.variances"]),
+                key_groups=a["key.groups"], value_groups=a["value.groups"], key_centroids=a["key.centroids"],
+                value_centroids=a["value.centroids"], oscar_key=a["oscar.key"], oscar_value=a["oscar.value"],
+                nova_value=a["nova.value"], bits=bits, g=g)
+            _validate(hd, mpath, e["name"])
+            heads[(layer, h)] = hd
+        if meta is None:
+            fail(mpath, "no 'meta' entry")
+        for (layer, h), hd in heads.items() if meta else ():
+            if (hd.d, hd.g, hd.bits) != (meta["d"], meta["g"], meta["bits"]):
+                fail(mpath, f"entry 'layer{layer}.head{h}': d, g, bits = {(hd.d, hd.g, hd.bits)} differ from "
+                            f"meta's {(meta['d'], meta['g'], meta['bits'])}")
         return cls(heads, meta)
 
 
+_META_INTS = {"d": (2, 2**16), "g": (1, 8), "bits": (1, 8), "iterations": (0, 10**6), "seed": (0, 2**63 - 1),
+              "max_train_tokens": (1, 2**40), "sequences": (1, 2**40)}
+
+
+def _check_meta(mpath, e: dict) -> dict:
+    if e["arrays"]:
+        fail(mpath, "entry 'meta' must own no arrays")
+    if not set(e) - {"name", "arrays"}:
+        return {}
+    check_keys(mpath, e, (*_META_INTS, "grouping"))
+    meta = {k: field_int(mpath, e, k, lo, hi) for k, (lo, hi) in _META_INTS.items()}
+    meta["grouping"] = field_str(mpath, e, "grouping", r"[a-z_]{1,32}")
+    return {k: e[k] for k in e if k not in ("name", "arrays")}
+
+
+def _head_layout(d: int, bits: int, g: int) -> dict:
+    """Array name -> (shape, dtype) of one head."""
+    f64, sq, vec = np.float64, (d, d), (d,)
+    cen = (d // g, 2 ** (bits * g), g)
+    return {"key.mu": (vec, f64), "key.forward": (sq, f64), "key.inverse": (sq, f64), "key.variances": (vec, f64),
+            "value.mu": (vec, f64), "value.basis": (sq, f64), "value.variances": (vec, f64),
+            "key.groups": ((d // g, g), np.int64), "value.groups": ((d // g, g), np.int64),
+            "key.centroids": (cen, np.float32), "value.centroids": (cen, np.float32),
+            "oscar.key": (sq, f64), "oscar.value": (sq, f64), "nova.value": (sq, f64)}
+
+
 def _validate(hd: NovaHead, path, name: str) -> None:
+    with np.errstate(over="ignore", invalid="ignore"):  # huge entries give inf products: refused below
+        _check_head(hd, path, name)
+
+
+def _check_head(hd: NovaHead, path, name: str) -> None:
     d, g = hd.d, hd.g
-    k = 2 ** (hd.bits * g)
     for grp in (hd.key_groups, hd.value_groups):
         if grp.shape != (d // g, g) or not np.array_equal(np.sort(grp.ravel()), np.arange(d)):
             fail(path, f"{name}: groups are not a partition of the {d} coefficients into groups of {g}")
-    for cen in (hd.key_centroids, hd.value_centroids):
-        if cen.shape != (d // g, k, g):
-            fail(path, f"{name}: centroids have shape {cen.shape}, expected {(d // g, k, g)}")
-    for nm, m in (("key.forward", hd.key.forward), ("oscar.key", hd.oscar_key), ("oscar.value", hd.oscar_value),
-                  ("nova.value", hd.nova_value)):
-        if m.shape != (d, d):
-            fail(path, f"{name}: {nm} has shape {m.shape}")
-    if not np.allclose(hd.key.forward @ hd.key.inverse, np.eye(d), atol=1e-6 * max(1.0, np.abs(hd.key.forward).max()
-                                                                                  * np.abs(hd.key.inverse).max())):
+    for nm, v in (("key.variances", hd.key.variances), ("value.variances", hd.value.variances)):
+        if np.any(v < 0):
+            fail(path, f"{name}: {nm} has negative entries")
+    eye = np.eye(d)
+    if not np.allclose(hd.key.forward @ hd.key.inverse, eye, atol=1e-6 * max(1.0, np.abs(hd.key.forward).max()
+                                                                             * np.abs(hd.key.inverse).max())):
         fail(path, f"{name}: key.forward and key.inverse are not inverses")
+    for nm, m in (("value.basis", hd.value.basis), ("oscar.key", hd.oscar_key), ("oscar.value", hd.oscar_value),
+                  ("nova.value", hd.nova_value)):
+        if not np.allclose(m.T @ m, eye, atol=1e-6):
+            fail(path, f"{name}: {nm} is not orthogonal")
 
 
 def nova_value_statistic(sequences: list, stats: CalibrationStats) -> dict:
@@ -218,9 +280,13 @@ def calibrate(sequences: Iterable, d: int, g: int = 4, bits: int = 2, iterations
     sequences = list(sequences)
     if not sequences:
         raise ValueError("sequences must contain at least one calibration sequence")
-    if isinstance(bits, bool) or not isinstance(bits, int) or not isinstance(g, int) or bits < 1 or g < 1 \
-            or bits * g > 8 or d % g:
+    d = check_int("d", d, 2, 2**16)
+    bits, g = check_int("bits", bits, 1, 8), check_int("g", g, 1, 8)
+    if bits * g > 8 or d % g:
         raise ValueError(f"need integer bits, g >= 1 with bits*g <= 8 and g dividing d={d}; got bits={bits}, g={g}")
+    iterations = check_int("iterations", iterations, 0, 10**6)
+    seed = check_int("seed", seed, 0, 2**63 - 1)
+    max_train_tokens = check_int("max_train_tokens", max_train_tokens, 1)
     stats = CalibrationStats(d)
     for seq in sequences:
         for layer, (q, k, v) in seq.items():

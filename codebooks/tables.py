@@ -26,7 +26,9 @@ from pathlib import Path
 import numpy as np
 
 from ._version import TABLE_SCHEMA_VERSION, __version__
-from .artifacts import MANIFEST, TENSORS, TableFileError, fail, load_artifacts, save_artifacts
+from ._validate import MAX_BITS
+from .artifacts import (MANIFEST, TENSORS, TableFileError, check_keys, fail, field_float, field_int, field_str,
+                        load_artifacts, save_artifacts)
 from .audit import distortion
 from .codebook import Codebook
 from .densities import Density, Empirical, density_from_params
@@ -193,15 +195,32 @@ class TableSet(Mapping):
         return f"TableSet({str(self.folder)!r}, {len(self)} codebooks, schema {self.schema_version})"
 
 
+_ENTRY_FIELDS = ("density", "bits", "n_levels", "mse", "unit_distortion", "solver", "iterations", "residual",
+                 "version", "schema")
+
+
 def _load_entry(entry: dict, tensors: dict, tpath: Path, mpath: Path) -> Codebook:
-    try:
-        name, kind, params = entry["name"], entry["density"]["kind"], entry["density"]["params"]
-        bits, mse, solver = entry["bits"], entry["mse"], entry["solver"]
-        iters, residual, version, schema = entry["iterations"], entry["residual"], entry["version"], entry["schema"]
-    except (KeyError, TypeError) as exc:
-        fail(mpath, f"codebook entry is missing field {exc}")
+    check_keys(mpath, entry, _ENTRY_FIELDS)
+    name = field_str(mpath, entry, "name", r"[A-Za-z0-9_]{1,200}")
+    dens = entry["density"]
+    if not isinstance(dens, dict) or set(dens) != {"kind", "params"} or not isinstance(dens["kind"], str) \
+            or not isinstance(dens["params"], dict):
+        fail(mpath, f"entry {name!r}: field 'density' must be {{kind: str, params: object}}, got {dens!r:.100}")
+    kind, params = dens["kind"], dens["params"]
+    bits = field_int(mpath, entry, "bits", 1, MAX_BITS)
+    if field_int(mpath, entry, "n_levels", 2, 2**MAX_BITS) != 2**bits:
+        fail(mpath, f"entry {name!r}: field 'n_levels' is {entry['n_levels']}, bits={bits} means {2**bits}")
+    mse = field_float(mpath, entry, "mse", 0.0)
+    unit = field_float(mpath, entry, "unit_distortion", 0.0, allow_none=True)
+    solver = field_str(mpath, entry, "solver", r"[A-Za-z0-9_.+\-]{1,64}")
+    iters = field_int(mpath, entry, "iterations", 0, 10**9)
+    residual = field_float(mpath, entry, "residual", 0.0)
+    version = field_str(mpath, entry, "version", r"[A-Za-z0-9_.+\-]{1,64}")
+    schema = field_int(mpath, entry, "schema", TABLE_SCHEMA_VERSION, TABLE_SCHEMA_VERSION)
     try:
         if kind == Empirical.kind:
+            if set(params) != {"n_values", "sha256"}:
+                fail(mpath, f"entry {name!r}: empirical params must be {{n_values, sha256}}, got {sorted(params)}")
             density = Empirical(tensors[f"{name}.values.f64"], weights=tensors[f"{name}.masses.f64"])
             if density.params() != params:
                 fail(mpath, f"{name}: stored empirical values do not match their recorded digest")
@@ -212,8 +231,12 @@ def _load_entry(entry: dict, tensors: dict, tpath: Path, mpath: Path) -> Codeboo
                       residual=residual, version=version, schema=schema)
     except TableFileError:
         raise
-    except (KeyError, TypeError, ValueError) as exc:
+    except KeyError as exc:
+        fail(tpath, f"codebook {name!r} lacks array {exc}")
+    except (TypeError, ValueError) as exc:
         fail(mpath, f"codebook {name!r} is invalid: {exc}")
+    if unit != cb.unit_distortion:
+        fail(mpath, f"entry {name!r}: field 'unit_distortion' {unit!r} is not d * mse = {cb.unit_distortion!r}")
     if cb.name != name:
         fail(mpath, f"entry named {name!r} describes {cb.name!r}")
     if sorted(entry["arrays"]) != sorted(_arrays(cb)):

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from codebooks import TABLE_SCHEMA_VERSION, Codebook, SphereMarginal, load_tables
+from codebooks._validate import check_int
 from codebooks.build import SHIPPED_DIR
 
 __all__ = ["DeviceTable", "load_device_table", "TableMismatchError"]
@@ -68,6 +69,7 @@ def load_device_table(dim: int, bits: int, folder=None, device="cpu", schema: in
     """
     import torch
 
+    dim, bits = check_int("dim", dim, lo=2), check_int("bits", bits, 1, 12)  # bits=True is not 1 bit
     if schema != TABLE_SCHEMA_VERSION:
         raise TableMismatchError(f"kernels expect table schema {schema}, this toolkit writes {TABLE_SCHEMA_VERSION}")
     tables = load_tables(Path(folder) if folder is not None else SHIPPED_DIR)

@@ -17,6 +17,7 @@ Conventions every method follows (kernels and the evaluation rely on them):
 
 from __future__ import annotations
 
+import functools
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields
@@ -26,7 +27,7 @@ from typing import ClassVar
 import numpy as np
 from numba import njit, prange
 
-__all__ = ["Encoded", "Quantizer", "RotatedQuantizer", "as_array", "codebook", "row_norm", "row_norms", "fp_dtype", "to_fp", "check_fp_finite"]
+__all__ = ["Encoded", "Quantizer", "RotatedQuantizer", "as_array", "codebook", "row_norm", "row_norms", "fp_dtype", "to_fp", "check_fp_finite", "check_shape"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -50,6 +51,11 @@ class Encoded:
     shape: tuple
     arrays: dict
 
+    def __post_init__(self):
+        object.__setattr__(self, "shape", check_shape("shape", self.shape))
+        if not isinstance(self.arrays, dict):
+            raise TypeError(f"arrays must be a dict of name -> ndarray, got {type(self.arrays).__name__}")
+
     @property
     def nbytes(self) -> int:
         """Total bytes of the stored arrays."""
@@ -62,7 +68,10 @@ class Encoded:
 
     @property
     def bits_per_element(self) -> float:
-        """``8 * nbytes / elements``: the rate, from what is stored."""
+        """``8 * nbytes / elements``: the rate, from what is stored; 0.0 for an empty tensor (no
+        element, nothing stored)."""
+        if self.elements == 0:
+            return 0.0
         return 8.0 * self.nbytes / self.elements
 
     def __eq__(self, other):
@@ -74,6 +83,20 @@ class Encoded:
                         and np.array_equal(self.arrays[k], other.arrays[k]) for k in self.arrays))
 
     __hash__ = None  # type: ignore[assignment]
+
+
+def check_shape(name: str, shape) -> tuple:
+    """A tensor shape: a tuple/list of at least one int >= 0 (booleans and floats such as 2.9 refused)."""
+    if isinstance(shape, np.ndarray):
+        shape = shape.tolist()
+    if not isinstance(shape, tuple | list) or not shape:
+        raise ValueError(f"{name} must be a non-empty tuple of ints, got {shape!r}")
+    out = []
+    for s in shape:
+        if isinstance(s, bool | np.bool_) or not isinstance(s, int | np.integer) or s < 0:
+            raise ValueError(f"{name} must hold ints >= 0, got {shape!r}")
+        out.append(int(s))
+    return tuple(out)
 
 
 def _plain(v):
@@ -166,6 +189,68 @@ def check_fp_finite(name: str, arr: np.ndarray) -> None:
         raise ValueError(f"encoded array {name!r} holds NaN/Inf: corrupted buffer")
 
 
+# --- rules shared by every method (applied by Quantizer.__init_subclass__) ------------------------
+def _rows(shape) -> int:
+    return math.prod(shape[:-1])
+
+
+def _input_shape(x) -> tuple | None:
+    shape = getattr(x, "shape", None)
+    return tuple(shape) if shape is not None else np.shape(x)
+
+
+def _rule_encode(fn):
+    @functools.wraps(fn)
+    def encode(self, x):
+        shape = _input_shape(x)
+        if len(shape) >= 1 and _rows(shape) == 0:
+            as_array("x", x, dim=self.dim)  # dtype and last-dimension checks still apply
+            return self._make(shape, {k: np.zeros(s, dt) for k, (s, dt) in self.layout(tuple(shape)).items()})
+        return fn(self, x)
+    encode._shared_rules = True
+    return encode
+
+
+def _rule_decode(fn):
+    @functools.wraps(fn)
+    def decode(self, enc):
+        self._check(enc)
+        if _rows(enc.shape) == 0:
+            return np.zeros(enc.shape, np.float32)
+        with np.errstate(over="ignore"):
+            out = fn(self, enc)
+        if not np.all(np.isfinite(out)):
+            raise ValueError(f"{self.name} reconstruction overflows float32 (max {np.finfo(np.float32).max:g}): "
+                             "the encoded values or scales are out of range")
+        return out
+    decode._shared_rules = True
+    return decode
+
+
+def _empty_rows_rule(empty):
+    """Wrap a method whose last argument is an ``Encoded``: for zero rows return ``empty(self, *args)``."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def method(self, *args):
+            enc = args[-1]
+            if isinstance(enc, Encoded) and _rows(enc.shape) == 0:
+                self._check(enc)
+                return empty(self, *args)
+            return fn(self, *args)
+        method._shared_rules = True
+        return method
+    return wrap
+
+
+_SHARED_RULES = {
+    "encode": _rule_encode,
+    "decode": _rule_decode,
+    "_rotated": _empty_rows_rule(lambda self, enc: np.zeros((0, self.dim))),
+    "scores": _empty_rows_rule(lambda self, q, enc: np.zeros((q.shape[0], 0))),
+    "accumulate": _empty_rows_rule(lambda self, p, enc: np.zeros((p.shape[0], self.dim))),
+}
+
+
 class Quantizer(ABC):
     """Base of every method: subclasses are frozen dataclasses of validated parameters.
 
@@ -198,8 +283,24 @@ class Quantizer(ABC):
     def layout(self, shape: tuple) -> dict[str, tuple[tuple, np.dtype]]:
         """Expected ``{array name: (shape, dtype)}`` of the encoding of a tensor of ``shape``."""
 
+    def __init_subclass__(cls, **kwargs):
+        """Wrap each subclass's ``encode``/``decode``/``_rotated``/``scores``/``accumulate`` with the
+        rules every method shares (so no method can forget them):
+
+        * zero rows (``prod(shape[:-1]) == 0``): ``encode`` returns arrays of the layout's (empty)
+          shapes, ``decode`` an empty float32 array, ``scores`` an (m, 0) and ``accumulate`` an
+          (m, d) zero array, without calling the method;
+        * ``decode`` refuses a reconstruction that overflows float32 instead of returning inf.
+        """
+        super().__init_subclass__(**kwargs)
+        for meth in ("encode", "decode", "_rotated", "scores", "accumulate"):
+            fn = cls.__dict__.get(meth)
+            if fn is not None and not getattr(fn, "_shared_rules", False) \
+                    and not getattr(fn, "__isabstractmethod__", False):
+                setattr(cls, meth, _SHARED_RULES[meth](fn))
+
     def _make(self, shape: tuple, arrays: dict) -> Encoded:
-        enc = Encoded(self.name, self.config, tuple(int(s) for s in shape), arrays)
+        enc = Encoded(self.name, self.config, check_shape("shape", shape), arrays)
         self._check(enc)
         return enc
 
@@ -211,6 +312,9 @@ class Quantizer(ABC):
             raise ValueError(f"Encoded was made by {enc.method!r}, not {self.name!r}")
         if enc.config != self.config:
             raise ValueError(f"Encoded was made with config {enc.config}, this {self.name} has {self.config}")
+        if enc.shape[-1] != self.dim:
+            raise ValueError(f"Encoded shape {enc.shape} does not end in this {self.name}'s dim={self.dim}: "
+                             "corrupted buffer")
         want = self.layout(enc.shape)
         if set(enc.arrays) != set(want):
             raise ValueError(f"Encoded arrays {sorted(enc.arrays)} do not match {sorted(want)}: corrupted buffer")
@@ -274,3 +378,4 @@ class RotatedQuantizer(Quantizer):
 
     def accumulate(self, p, enc):
         return self.rot.inverse(p @ self._rotated(enc))
+

@@ -88,7 +88,7 @@ import numpy as np
 
 from codebooks import Codebook, SphereMarginal
 
-from .common import Encoded, RotatedQuantizer, as_array, codebook
+from .common import Encoded, RotatedQuantizer, as_array, check_shape, codebook
 from .rotations import STREAM_MISC, HadamardRotation, rng
 from .turbo_profiles import DEFAULT_PROFILE, FORMATS, TurboProfile, get_profile
 from .turboquant import quantize_rotated
@@ -318,8 +318,8 @@ class TurboBlock(RotatedQuantizer):
             ``shape`` not ending in ``block``, a length other than
             ``prod(shape[:-1]) * bytes_per_block``, or corrupted fields (see ``unpack``).
         """
-        shape = tuple(int(s) for s in shape)
-        if len(shape) < 1 or shape[-1] != self.block:
+        shape = check_shape("shape", shape)
+        if shape[-1] != self.block:
             raise ValueError(f"shape must end in block={self.block}, got {shape}")
         buf = np.frombuffer(bytes(raw), dtype=np.uint8)
         n = math.prod(shape[:-1])

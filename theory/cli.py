@@ -12,29 +12,32 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 from codebooks import SphereMarginal
+from codebooks._atomic import check_output_file, check_output_folder
+from codebooks._validate import check_int
 from codebooks.build import parse_int_list, read_levels
 
 from .figures import audit_series, default_series
-from .plot import plot_files
+from .plot import PLOT_SUFFIXES, plot_files
 from .results import ResultsError
 
 
 def _cmd_curves(args) -> int:
-    bits = parse_int_list(args.bits, "--bits")
-    if not bits or min(bits) < 1 or max(bits) > 12:
-        raise ValueError("--bits must lie in 1..12")
-    t0 = time.perf_counter()
-    series = default_series(args.dim, bits, mc_samples=args.mc_samples, seed=args.seed)
+    out = check_output_folder(args.out, "--out", lambda f: True)  # series files are added, nothing removed
+    bits = parse_int_list(args.bits, "--bits", 1, 12)
+    check_int("--dim", args.dim, 2, 2**20)
+    check_int("--mc-samples", args.mc_samples, 100)
+    audits = []
     for spec in args.audit or []:
         name, sep, path = spec.partition("=")
         if not sep or not name or not path:
             raise ValueError(f"--audit expects NAME=FILE, got {spec!r}")
-        series.append(audit_series(name, SphereMarginal(args.dim), read_levels(path),
-                                   f"external table {path}, audited exactly"))
-    out = Path(args.out)
+        audits.append((name, path, read_levels(path, "--audit")))
+    t0 = time.perf_counter()
+    series = default_series(args.dim, bits, mc_samples=args.mc_samples, seed=args.seed)
+    for name, path, levels in audits:
+        series.append(audit_series(name, SphereMarginal(args.dim), levels, f"external table {path}, audited exactly"))
     for s in series:
         s.save(out)
     print(f"wrote {len(series)} series to {out} in {time.perf_counter() - t0:.1f} s")
@@ -42,7 +45,8 @@ def _cmd_curves(args) -> int:
 
 
 def _cmd_plot(args) -> int:
-    path = plot_files(args.files, args.output)
+    out = check_output_file(args.output, "-o", PLOT_SUFFIXES)
+    path = plot_files(args.files, out)
     print(f"wrote {path}")
     return 0
 
@@ -61,7 +65,7 @@ def _parser() -> argparse.ArgumentParser:
     c.set_defaults(func=_cmd_curves)
     q = sub.add_parser("plot", help="draw the figure from JSON files only")
     q.add_argument("files", nargs="+", help="series JSON files")
-    q.add_argument("-o", "--output", required=True, help="PNG path")
+    q.add_argument("-o", "--output", required=True, help="PNG path (ending in .png)")
     q.set_defaults(func=_cmd_plot)
     return p
 
@@ -71,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, TypeError, ResultsError) as exc:
+    except (ValueError, TypeError, ResultsError, OSError) as exc:
         print(f"kvq-theory {args.cmd}: error: {exc}", file=sys.stderr)
         return 2
 

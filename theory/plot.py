@@ -6,7 +6,11 @@ from pathlib import Path
 
 from .results import Series, load_series
 
-__all__ = ["plot_series", "plot_files"]
+__all__ = ["plot_series", "plot_files", "PLOT_SUFFIXES"]
+
+#: Image formats ``plot_series`` writes (the suffix decides; matplotlib would append ".png" to a
+#: path without one, e.g. write ``DIR.png`` beside a folder named ``DIR``).
+PLOT_SUFFIXES = (".png",)
 
 _STYLE = {
     "lower_bound": dict(color="black", lw=1.2, ls="-"),
@@ -41,12 +45,15 @@ def plot_series(series: list[Series], out) -> Path:
     ----------
     series : list of Series
     out : str or Path
-        PNG path.
+        PNG path ending in .png (checked before drawing).
 
     Returns
     -------
     Path
     """
+    from codebooks._atomic import check_output_file
+
+    out = check_output_file(out, "out", PLOT_SUFFIXES)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -91,9 +98,8 @@ def plot_series(series: list[Series], out) -> Path:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
-    out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110, metadata={"Software": None})
+    fig.savefig(out, dpi=110, metadata={"Software": None}, format="png")
     plt.close(fig)
     return out
 

@@ -20,6 +20,9 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from codebooks._atomic import read_file, write_file
+from codebooks._validate import JSON_MAX_BYTES, parse_json
+
 __all__ = ["Series", "ResultsError", "KINDS", "QUANTITIES", "load_series"]
 
 KINDS = ("lower_bound", "upper_bound", "exact", "approximation", "monte_carlo", "measured")
@@ -86,22 +89,18 @@ class Series:
 
     def save(self, folder) -> Path:
         """Write ``folder/<name>.json`` (sorted keys, deterministic) and return the path."""
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        path = folder / f"{self.name}.json"
-        path.write_text(json.dumps(self.to_dict(), indent=1, sort_keys=True, allow_nan=False) + "\n")
-        return path
+        path = Path(folder) / f"{self.name}.json"
+        return write_file(path, (json.dumps(self.to_dict(), indent=1, sort_keys=True, allow_nan=False) + "\n").encode())
 
     @classmethod
     def load(cls, path) -> "Series":
         """Read and validate one series; ``ResultsError`` names the file and the problem."""
         path = Path(path)
         try:
-            obj = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ResultsError(f"{path}: file not found") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ResultsError(f"{path}: not valid JSON ({exc})") from None
+            obj = parse_json(read_file(path, JSON_MAX_BYTES))
+        except ValueError as exc:
+            msg = str(exc)
+            raise ResultsError(msg if msg.startswith(str(path)) else f"{path}: {msg}") from None
         if not isinstance(obj, dict):
             raise ResultsError(f"{path}: expected a JSON object")
         missing = [k for k in ("name", "description", "x", "y", "params", "kind", "quantity") if k not in obj]

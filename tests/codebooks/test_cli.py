@@ -54,8 +54,8 @@ def test_audit_from_list_file_and_json(tmp_path, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["build", "--dist", "sphere", "--bits", "1-2", "--out", "x"], "--dist sphere needs --dim"),
     (["build", "--dist", "cauchy", "--out", "x"], "--dist must be sphere, gaussian or polar"),
-    (["build", "--dist", "sphere", "--dim", "1", "--out", "x"], "d must be >= 2"),
-    (["build", "--dist", "gaussian", "--bits", "0-2", "--out", "x"], "bits must be in 1..12"),
+    (["build", "--dist", "sphere", "--dim", "1", "--out", "x"], "--dim: '1' is outside 2..1048576"),
+    (["build", "--dist", "gaussian", "--bits", "0-2", "--out", "x"], "--bits: '0-2' is outside 1..12"),
     (["build", "--dist", "gaussian", "--bits", "3-1", "--out", "x"], "--bits: cannot parse"),
     (["build", "--out", "x"], "--dist is required"),
     (["audit", "--dist", "gaussian", "--levels", "a,b"], "neither a file nor a list"),

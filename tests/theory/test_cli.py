@@ -90,6 +90,6 @@ def test_missing_file_and_bad_args(tmp_path, capsys):
     assert main(["plot", str(tmp_path / "nope.json"), "-o", str(tmp_path / "x.png")]) == 2
     assert "file not found" in capsys.readouterr().err
     assert main(["curves", "--bits", "0-3", "--out", str(tmp_path)]) == 2
-    assert "--bits must lie in 1..12" in capsys.readouterr().err
+    assert "--bits: '0-3' is outside 1..12" in capsys.readouterr().err
     assert main(["curves", "--bits", "1-2", "--out", str(tmp_path), "--audit", "noequals"]) == 2
     assert "NAME=FILE" in capsys.readouterr().err
