@@ -66,4 +66,4 @@ bench: $(STAMP)
 # helper (packing, rotations, row norms), drop the caches of the functions that inline it.
 clean:
 	rm -rf $(OUT) .pytest_cache .hypothesis
-	find codebooks kvq_ref theory gpu -name '*.nbi' -o -name '*.nbc' 2>/dev/null | xargs rm -f
+	find codebooks kvq_ref kvq_eval theory gpu -name '*.nbi' -o -name '*.nbc' 2>/dev/null | xargs rm -f

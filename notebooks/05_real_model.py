@@ -12,7 +12,7 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt  # noqa: F401  (in Jupyter: inline display of the figures below)
 
-from kvq_ref.eval.plot import figures, load_results, summary_table
+from kvq_eval.plot import figures, load_results, summary_table
 
 RESULTS = Path("results/eval")
 FIG = Path("out/notebooks")
@@ -56,7 +56,7 @@ charts.get("niah_vs_context")
 # moment they are written, keeping the method's 16-bit band.
 
 # %%
-from kvq_ref.eval.runner import Evaluator
+from kvq_eval.runner import Evaluator
 
 ev = Evaluator("smollm2", calibrate=False)
 for method in ("fp32", "tq_mse4", "tq_mse2", "kivi4"):

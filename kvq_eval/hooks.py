@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..common import Encoded, Quantizer
+from kvq_ref.common import Encoded, Quantizer
+
 from .methods import MethodSpec
 
 __all__ = ["Session", "session", "register", "QuantizedCache", "ATTN_IMPLEMENTATION", "cache_kwargs",

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from kvq_ref import KIVI, QJL, PolarQuant, QuaRot, TurboBlock, TurboQuantMSE, TurboQuantProd
-from kvq_ref.eval.hooks import concat_encoded
-from kvq_ref.eval.methods import METHODS, Blocked, Identity, make_spec
-from kvq_ref.eval.niah import Sample, score
-from kvq_ref.eval.plot import (comparison_table, load_results, markdown_table, paired_comparison, plot_results,
-                               summary_table)
+from kvq_eval.hooks import concat_encoded
+from kvq_eval.methods import METHODS, Blocked, Identity, make_spec
+from kvq_eval.niah import Sample, score
+from kvq_eval.plot import (comparison_table, load_results, markdown_table, paired_comparison, plot_results,
+                           summary_table)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -56,8 +56,8 @@ def test_method_registry():
 
 
 def test_half_methods_quantize_one_side_only():
-    from kvq_ref.eval.methods import method_info
-    from kvq_ref.eval.runner import _file_name
+    from kvq_eval.methods import method_info
+    from kvq_eval.runner import _file_name
 
     keys, values = make_spec("tq_mse3:keys"), make_spec("tq_mse3:values")
     full = make_spec("tq_mse3")
@@ -87,8 +87,8 @@ def test_scoring_crafted_answers():
 
 @pytest.mark.parametrize("bad", [100, 10_000, 1024.0, True])
 def test_calibration_length_is_validated_before_any_model_load(tmp_path, bad):
-    from kvq_ref.eval.cli import main
-    from kvq_ref.eval.runner import run_grid
+    from kvq_eval.cli import main
+    from kvq_eval.runner import run_grid
 
     with pytest.raises(ValueError, match="calib_tokens must be an integer in 256..8192"):
         run_grid("smollm2", ["nova"], tmp_path, calib_tokens=bad)
@@ -99,7 +99,7 @@ def test_calibration_length_is_validated_before_any_model_load(tmp_path, bad):
 
 def test_needle_cells_merge_methods_and_recompute_other_calibrations(tmp_path):
     """What a run still owes a stored cell, and how new entries join it (no model: crafted files)."""
-    from kvq_ref.eval.runner import _merge_niah, _missing
+    from kvq_eval.runner import _merge_niah, _missing
 
     path = tmp_path / "ctx1024_single_d0.5_s0.json"
     sample = {"variant": "single", "context": 1024, "depth": 0.5, "seed": 0, "key": "calm-river",
@@ -164,7 +164,7 @@ def test_plot_and_summary_from_json(tmp_path):
     assert table[3] == "| tq_mse4 | 4 | 4.25 | 21.00 | +5.0% | 0.0500 | 0.900 | 0.100 | 0.50 | 0.50 |"
     paths = plot_results(tmp_path, "smollm2", tmp_path / "out" / "s")
     assert len(paths) == 2 and all(p.stat().st_size > 10_000 for p in paths)
-    from kvq_ref.eval.cli import main
+    from kvq_eval.cli import main
 
     assert main(["table", str(tmp_path), "--methods", "fp32"]) == 0
     assert main(["table", str(tmp_path), "--methods", "fp32,zip"]) == 2
@@ -206,7 +206,7 @@ def test_paired_comparison_sign_test(tmp_path):
     (tmp_path / "smollm2" / "niah").mkdir(parents=True)
     for i, c in enumerate(cells):
         (tmp_path / "smollm2" / "niah" / f"c{i}.json").write_text(json.dumps(c))
-    from kvq_ref.eval.cli import main
+    from kvq_eval.cli import main
 
     assert main(["compare", str(tmp_path), "a", "b"]) == 0
     assert main(["compare", str(tmp_path), "a", "zip"]) == 2
@@ -221,10 +221,10 @@ def lm():
     pytest.importorskip("transformers")
     import torch
 
-    from kvq_ref.eval.calib import token_chunks
-    from kvq_ref.eval.hooks import register
-    from kvq_ref.eval.models import load_model
-    from kvq_ref.eval.text import part
+    from kvq_eval.calib import token_chunks
+    from kvq_eval.hooks import register
+    from kvq_eval.models import load_model
+    from kvq_eval.text import part
 
     torch.set_grad_enabled(False)
     model, tok, info = load_model("smollm2")
@@ -237,7 +237,7 @@ def lm():
 
 @pytest.mark.model
 def test_capture_equals_stock_attention(lm):
-    from kvq_ref.eval.hooks import session
+    from kvq_eval.hooks import session
 
     model, tok, ids, ref = lm
     with session("capture") as s:
@@ -250,7 +250,7 @@ def test_capture_equals_stock_attention(lm):
 
 @pytest.mark.model
 def test_identity_method_reproduces_fp32_logits(lm):
-    from kvq_ref.eval.hooks import session
+    from kvq_eval.hooks import session
 
     model, tok, ids, ref = lm
     with session("simulate", make_spec("identity")):
@@ -264,7 +264,7 @@ def test_identity_method_reproduces_fp32_logits(lm):
 def test_each_method_gives_finite_metrics_and_band_is_exact(lm, name):
     import torch
 
-    from kvq_ref.eval.hooks import session
+    from kvq_eval.hooks import session
 
     model, tok, ids, ref = lm
     spec = make_spec(name)
@@ -284,7 +284,7 @@ def test_each_method_gives_finite_metrics_and_band_is_exact(lm, name):
 def test_quantized_cache_generate_and_band(lm):
     import torch
 
-    from kvq_ref.eval.hooks import QuantizedCache, cache_kwargs, session
+    from kvq_eval.hooks import QuantizedCache, cache_kwargs, session
 
     model, tok, ids, ref = lm
     short = ids[:, :150]
@@ -311,7 +311,7 @@ def test_quantized_cache_generate_and_band(lm):
 
 @pytest.mark.model
 def test_needle_found_by_fp32_at_1k_and_runner_resumes(lm, tmp_path):
-    from kvq_ref.eval.runner import Evaluator
+    from kvq_eval.runner import Evaluator
 
     model, tok, ids, ref = lm
     ev = Evaluator.__new__(Evaluator)
@@ -328,8 +328,8 @@ def test_needle_found_by_fp32_at_1k_and_runner_resumes(lm, tmp_path):
 
 @pytest.mark.model
 def test_grid_is_resumable(lm, tmp_path):
-    from kvq_ref.eval.cli import main
-    from kvq_ref.eval.runner import run_grid
+    from kvq_eval.cli import main
+    from kvq_eval.runner import run_grid
 
     kw = dict(contexts=(256,), tasks=("lm", "niah"), variants=("single",), depths=(0.5,), seeds=(0,),
               lm_tokens=64, lm_chunks=1, progress=False)

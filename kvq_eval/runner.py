@@ -31,7 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..attention import QuantizedKV, attention_prefill, exact_attention, logit_mse, relative_error
+from kvq_ref.attention import QuantizedKV, attention_prefill, exact_attention, logit_mse, relative_error
+
 from .calib import capture, calibration_tables, token_chunks
 from .hooks import QuantizedCache, cache_kwargs, register, session
 from .methods import make_spec, method_info

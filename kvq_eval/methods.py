@@ -18,13 +18,13 @@ from typing import Callable, ClassVar
 
 import numpy as np
 
-from ..common import Encoded, Quantizer, as_array
-from ..kivi import KIVI
-from ..polarquant import PolarQuant
-from ..qjl import QJL
-from ..quarot import QuaRot
-from ..turbo_block import TurboBlock
-from ..turboquant import TurboQuantMSE, TurboQuantProd, TurboQuantSplit
+from kvq_ref.common import Encoded, Quantizer, as_array
+from kvq_ref.kivi import KIVI
+from kvq_ref.polarquant import PolarQuant
+from kvq_ref.qjl import QJL
+from kvq_ref.quarot import QuaRot
+from kvq_ref.turbo_block import TurboBlock
+from kvq_ref.turboquant import TurboQuantMSE, TurboQuantProd, TurboQuantSplit
 
 __all__ = ["MethodSpec", "Identity", "Blocked", "METHODS", "DEFAULT_METHODS", "make_spec", "method_info"]
 
@@ -161,13 +161,13 @@ def _turbo(fmt):
 
 
 def _nova(layer, head, role, d, tables):
-    from ..nova import NovaKV
+    from kvq_ref.nova import NovaKV
 
     return NovaKV(tables.model.head(layer, head), role)
 
 
 def _oscar(layer, head, role, d, tables):
-    from ..nova import Oscar
+    from kvq_ref.nova import Oscar
 
     return Oscar(tables.model.head(layer, head), role)
 
