@@ -2,9 +2,10 @@
 
 Examples
 --------
-kvq-eval run --model smollm2 --methods tq_mse4,nova --ctx 1024,4096,8192 --out results/eval
-kvq-eval plot results/eval --model smollm2 -o results/eval/smollm2
-kvq-eval table results/eval --model smollm2
+kvq-eval run --model smollm2 --methods tq_mse4,nova --ctx 1024,4096,8192 --band none --band 64,256
+kvq-eval plot results/eval_v2 --model smollm2 -o results/eval_v2/smollm2
+kvq-eval table results/eval_v2 --model smollm2
+kvq-eval compare results/eval_v2 tq_mse4@none fp32
 kvq-eval capture --model smollm2 --tokens 1024 --sequences 2 --out qkv.safetensors
 """
 
@@ -35,21 +36,54 @@ def _methods(text: str) -> list[str]:
     return names
 
 
-def _only(text: str | None):
-    return None if text is None else _methods(text)
+def _entries(text: str | None):
+    if text is None:
+        return None
+    from .runner import parse_entry
+
+    names = [e.strip() for e in text.split(";") if e.strip()]
+    for e in names:
+        try:
+            parse_entry(e)
+        except ValueError as exc:
+            raise ValueError(f"--entries: {exc}") from None
+    return names
+
+
+def _windows(text: str) -> list[tuple[int, int]]:
+    """``1024x8,8192x4`` -> [(1024, 8), (8192, 4)]."""
+    out = []
+    for item in text.split(","):
+        t, sep, n = item.strip().partition("x")
+        if not sep or not t.isdigit() or not n.isdigit() or int(t) < 16 or int(n) < 1:
+            raise ValueError(f"--ppl-windows: expected TOKENSxCOUNT items (e.g. 1024x8,8192x4), got {item!r}")
+        out.append((int(t), int(n)))
+    return out
+
+
+def _decode(text: str) -> tuple[int, int, int]:
+    parts = text.split(",")
+    if len(parts) != 3 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"--decode: expected PREFIX,NEW,WINDOWS (positive integers), got {text!r}")
+    return tuple(int(p) for p in parts)
 
 
 def _cmd_run(args) -> int:
+    from .band import parse_band
     from .runner import run_grid
 
+    bands = args.band or ["none"]
+    for b in bands:
+        parse_band(b)
     t0 = time.perf_counter()
     summary = run_grid(args.model, _methods(args.methods), args.out,
                        contexts=parse_int_list(args.ctx, "--ctx"),
                        tasks=[t.strip() for t in args.tasks.split(",")],
                        variants=[v.strip() for v in args.variants.split(",")],
-                       depths=parse_float_list(args.depths, "--depths"),
-                       seeds=parse_int_list(args.seeds, "--seeds"),
-                       lm_tokens=args.lm_tokens, lm_chunks=args.lm_chunks, calib_tokens=args.calib_tokens)
+                       depths=parse_float_list(args.depths, "--depths"), samples=args.samples, bands=bands,
+                       prefill=[p.strip() for p in args.prefill.split(",")],
+                       ppl_windows=_windows(args.ppl_windows), decode=_decode(args.decode),
+                       calib_tokens=args.calib_tokens, ray=args.ray, num_gpus=args.ray_gpus)
     wall = time.perf_counter() - t0
     log = Path(args.out) / args.model / "runs.jsonl"
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -64,7 +98,7 @@ def _cmd_run(args) -> int:
 def _cmd_plot(args) -> int:
     from .plot import plot_results
 
-    paths = plot_results(args.results, args.model, args.output, _only(args.methods))
+    paths = plot_results(args.results, args.model, args.output, _entries(args.entries))
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0
 
@@ -72,19 +106,24 @@ def _cmd_plot(args) -> int:
 def _cmd_table(args) -> int:
     from .plot import load_results, markdown_table
 
-    print(markdown_table(load_results(args.results, args.model, _only(args.methods))))
+    print(markdown_table(load_results(args.results, args.model, _entries(args.entries)), args.variant))
     return 0
 
 
 def _cmd_compare(args) -> int:
     from .plot import comparison_table, load_results, paired_comparison
 
-    cells = load_results(args.results, args.model)["niah"]
+    cells = [c for c in load_results(args.results, args.model)["niah"]
+             if args.variant is None or c["variant"] == args.variant]
     print(comparison_table(paired_comparison(cells, args.a, args.b), args.a, args.b))
     return 0
 
 
 def _cmd_capture(args) -> int:
+    for name in ("tokens", "sequences"):
+        v = getattr(args, name)
+        if v < 1:
+            raise ValueError(f"--{name} must be a positive integer, got {v}")
     from .calib import capture, save_qkv, token_chunks
     from .models import load_model
     from .text import part
@@ -104,35 +143,41 @@ def _parser() -> argparse.ArgumentParser:
                    help="comma list, or 'default' for every method; <method>:keys (or :values) applies "
                    "a method to the keys only (values only), the other half stored exactly")
     r.add_argument("--ctx", default="1024", help="needle contexts in tokens, e.g. 1024,4096,8192")
-    r.add_argument("--tasks", default="lm,layers,niah")
-    r.add_argument("--variants", default="single,multikey,multivalue")
-    r.add_argument("--depths", default="0.25,0.5,0.75")
-    r.add_argument("--seeds", default="0")
-    r.add_argument("--lm-tokens", type=int, default=1024, help="tokens per perplexity window")
-    r.add_argument("--lm-chunks", type=int, default=2, help="perplexity windows")
+    r.add_argument("--tasks", default="ppl,niah", help="comma list of ppl, niah, decode, layers")
+    r.add_argument("--variants", default="single,multiquery")
+    r.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9")
+    r.add_argument("--samples", type=int, default=6, help="needle samples per (variant, context, depth)")
+    r.add_argument("--band", action="append", default=None,
+                   help="16-bit band applied to every method: none, S,W (sink S, recent window W) or own "
+                   "(each method's built-in band); repeat for several (default: none)")
+    r.add_argument("--prefill", default="exact", help="needle/decode prefill modes: exact, quantized (comma list)")
+    r.add_argument("--ppl-windows", default="1024x8", help="perplexity windows TOKENSxCOUNT, e.g. 1024x8,8192x4")
+    r.add_argument("--decode", default="1024,512,1", help="long decode: PREFIX,NEW,WINDOWS tokens")
     r.add_argument("--calib-tokens", type=int, default=1024,
-                   help="length of each of the 2 calibration sequences (NOVA-KV, OSCAR, fractional TurboQuant)")
-    r.add_argument("--out", default="results/eval")
+                   help="length of each of the 2 calibration sequences (calibrated methods)")
+    r.add_argument("--out", default="results/eval_v2")
+    r.add_argument("--ray", default=None, help="run cells as Ray tasks: auto, ADDRESS, or local")
+    r.add_argument("--ray-gpus", type=float, default=0.0, help="GPUs per Ray task")
     r.set_defaults(func=_cmd_run)
-    q = sub.add_parser("plot", help="accuracy-vs-bits and NIAH-vs-context charts from the JSON")
+    q = sub.add_parser("plot", help="quality-vs-stored-bits chart from the JSON")
     q.add_argument("results", help="results folder (the --out of run)")
     q.add_argument("--model", default="smollm2")
     q.add_argument("-o", "--output", required=True, help="output prefix for the PNG files")
-    q.add_argument("--methods", default=None, help="only these methods (comma list, fp32 if listed); "
-                   "needle cells are paired over them alone")
+    q.add_argument("--entries", default=None, help="only these entries (';' list, e.g. 'fp32;tq_mse4@none')")
     q.set_defaults(func=_cmd_plot)
-    t = sub.add_parser("table", help="the summary table (Markdown) from the JSON")
+    t = sub.add_parser("table", help="the summary table (Markdown, with intervals) from the JSON")
     t.add_argument("results", help="results folder (the --out of run)")
     t.add_argument("--model", default="smollm2")
-    t.add_argument("--methods", default=None, help="only these methods (comma list, fp32 if listed); "
-                   "needle cells are paired over them alone")
+    t.add_argument("--entries", default=None, help="only these entries (';' list, e.g. 'fp32;tq_mse4@none')")
+    t.add_argument("--variant", default=None, help="needle variant only (single or multiquery)")
     t.set_defaults(func=_cmd_table)
-    k = sub.add_parser("compare", help="two methods on their shared needle cells: wins, losses, "
-                       "sign test (Markdown)")
+    k = sub.add_parser("compare", help="two entries on their shared needle samples: McNemar's exact test "
+                       "on exact match, paired bootstrap on log-probability (Markdown)")
     k.add_argument("results", help="results folder (the --out of run)")
-    k.add_argument("a", help="method, e.g. nova")
-    k.add_argument("b", help="method to compare against, e.g. quarot2")
+    k.add_argument("a", help="entry, e.g. tq_mse4@none")
+    k.add_argument("b", help="entry to compare against, e.g. fp32")
     k.add_argument("--model", default="smollm2")
+    k.add_argument("--variant", default=None, help="needle variant only (single or multiquery)")
     k.set_defaults(func=_cmd_compare)
     c = sub.add_parser("capture", help="exact post-RoPE Q/K/V for kvq-codebooks calibrate")
     c.add_argument("--model", default="smollm2", choices=["smollm2", "gemma3"])

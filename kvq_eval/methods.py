@@ -26,6 +26,8 @@ from kvq_ref.quarot import QuaRot
 from kvq_ref.turbo_block import TurboBlock
 from kvq_ref.turboquant import TurboQuantMSE, TurboQuantProd, TurboQuantSplit
 
+from .keyopts import study_methods
+
 __all__ = ["MethodSpec", "Identity", "Blocked", "METHODS", "DEFAULT_METHODS", "make_spec", "method_info"]
 
 
@@ -195,6 +197,8 @@ METHODS: dict[str, dict] = {
     "oscar": dict(make=_oscar, sink=64, window=256, nominal_bits=2.28, calibrated=True),
     "nova": dict(make=_nova, sink=64, window=256, nominal_bits=2.22, calibrated=True),
 }
+
+METHODS.update(study_methods(METHODS, _seed))  # key-error study: <base>-mc, tq_k4v2, ... (keyopts)
 
 #: The issue's comparison set (the fp32 baseline is run as "fp32", without quantization).
 DEFAULT_METHODS = ("tq_mse2", "tq_mse3", "tq_mse4", "tq_prod3", "tq_prod4", "tq_split2.5", "tq_split3.5",

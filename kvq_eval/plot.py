@@ -1,4 +1,9 @@
-"""Charts of the evaluation, drawn only from its JSON results."""
+"""Tables, paired comparisons and charts of the evaluation, drawn only from its JSON results.
+
+Every mean comes with its interval: needle exact match with a Wilson interval, log-probability
+and perplexity changes with bootstrap intervals (fixed seed, ``kvq_eval.stats``). Needle entries
+are compared with fp32 (and with each other) on the samples that hold both.
+"""
 
 from __future__ import annotations
 
@@ -8,261 +13,260 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["comparison_table", "figures", "load_results", "markdown_table", "paired_cells",
-           "paired_comparison", "plot_results", "summary_table"]
+from .stats import bootstrap_mean_ci, mcnemar_exact, paired_bootstrap, wilson_interval
+
+__all__ = ["load_results", "ppl_summary", "niah_summary", "paired_comparison", "comparison_table",
+           "markdown_table", "figures", "plot_results"]
+
+_REQUIRED = {"ppl": ("entry", "tokens", "windows", "bits_per_element", "band"),
+             "niah": ("variant", "context", "sample", "results"),
+             "decode": ("entry", "windows", "prefix", "new_tokens"),
+             "layers": ("entry", "attn_rel_err", "logit_mse", "bits_per_element")}
 
 
-def load_results(folder, model: str, methods=None) -> dict:
-    """{"lm": {method: row}, "layers": {method: row}, "niah": [cell, ...]} of one model.
+def _load(path: Path, task: str) -> dict:
+    try:
+        row = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not a readable result file ({exc})") from None
+    if not isinstance(row, dict):
+        raise ValueError(f"{path}: a result file holds a JSON object, got {type(row).__name__}")
+    missing = [k for k in _REQUIRED[task] if k not in row]
+    if missing:
+        raise ValueError(f"{path}: not a kvq-eval {task} result (missing {', '.join(missing)}); "
+                         f"delete it or recompute it with kvq-eval run")
+    return row
 
-    ``methods`` (optional) keeps only those methods ("fp32" included only if listed): the needle
-    cells are then paired over these methods alone (``paired_cells``), so a cell filled for a
-    subset of methods counts for that subset.
+
+def load_results(folder, model: str, entries=None) -> dict:
+    """``{"ppl": {entry: {tokens: row}}, "niah": [cell], "decode": {entry: row}, "layers": {entry: row}}``.
+
+    ``entries`` (optional) keeps only those entries (``fp32``, ``<method>@<band>[+qprefill]``).
+    Raises ``FileNotFoundError`` when the folder has no results of ``model`` and ``ValueError``
+    naming the file for anything that is not a result of this protocol (v1 folders included).
     """
     root = Path(folder) / model
     if not root.is_dir():
         raise FileNotFoundError(f"no results for {model!r} in {folder}")
-    keep = None if methods is None else set(methods)
-    out = {"lm": {}, "layers": {}, "niah": []}
-    for task in ("lm", "layers"):
+    if (root / "lm").is_dir():
+        raise ValueError(f"{root / 'lm'}: results of the v1 protocol (before issue 15); this kvq-eval reads "
+                         f"ppl/, niah/, decode/, layers/ folders (tables of v1 results: kvq-eval at 04860e8)")
+    keep = None if entries is None else set(entries)
+    out = {"ppl": {}, "niah": [], "decode": {}, "layers": {}}
+    for f in sorted((root / "ppl").glob("*.json")):
+        row = _load(f, "ppl")
+        if keep is None or row["entry"] in keep:
+            out["ppl"].setdefault(row["entry"], {})[int(row["tokens"])] = row
+    for task in ("decode", "layers"):
         for f in sorted((root / task).glob("*.json")):
-            row = json.loads(f.read_text())
-            if keep is None or row["method"] in keep:
-                out[task][row["method"]] = row
+            row = _load(f, task)
+            if keep is None or row["entry"] in keep:
+                out[task][row["entry"]] = row
     for f in sorted((root / "niah").glob("*.json")):
-        cell = json.loads(f.read_text())
+        cell = _load(f, "niah")
         if keep is not None:
-            cell["results"] = {m: r for m, r in cell["results"].items() if m in keep}
+            cell["results"] = {e: r for e, r in cell["results"].items() if e in keep}
         if cell["results"]:
             out["niah"].append(cell)
     return out
 
 
-def paired_cells(cells: list[dict]) -> list[dict]:
-    """The needle cells that hold every method seen at their context.
+def _dppl(windows: list[dict]) -> dict:
+    """Perplexity change against fp32 with a bootstrap interval over windows (per-window mean
+    NLL change per token, resampled, then ``100 (exp(.) - 1)``)."""
+    d = np.array([(w["nll_q"] - w["nll_f"]) / w["n"] for w in windows])
+    n = sum(w["n"] for w in windows)
+    lo, hi = bootstrap_mean_ci(d)
+    pct = lambda x: 100.0 * math.expm1(x)  # noqa: E731
+    return {"windows": len(windows), "dppl": pct(float(d.mean())), "ci": (pct(lo), pct(hi)),
+            "ppl": math.exp(sum(w["nll_q"] for w in windows) / n),
+            "ppl_fp32": math.exp(sum(w["nll_f"] for w in windows) / n),
+            "kl": sum(w["kl"] for w in windows) / n, "top1": sum(w["top1"] for w in windows) / n}
 
-    Accuracies are compared on the same samples: a cell that a run filled for only some methods
-    (``kvq-eval run --methods fp32`` on new cells, say) is left out of every method's mean until
-    the other methods are added to it.
-    """
-    by_ctx: dict = {}
-    for cell in cells:
-        by_ctx.setdefault(cell["context"], []).append(cell)
-    out = []
-    for group in by_ctx.values():
-        methods = set().union(*(cell["results"] for cell in group))
-        out += [cell for cell in group if methods <= set(cell["results"])]
+
+def ppl_summary(res: dict) -> dict:
+    """{entry: {tokens: {"dppl", "ci", "ppl", "ppl_fp32", "kl", "top1", "windows", "bits",
+    "band_pairs"}}}."""
+    out = {}
+    for entry, by_t in res["ppl"].items():
+        for t, row in by_t.items():
+            out.setdefault(entry, {})[t] = {**_dppl(row["windows"]), "bits": row["bits_per_element"],
+                                            "band_pairs": row["band_pairs"]}
     return out
 
 
-def _niah_scores(cells: list[dict]) -> dict:
-    acc: dict = {}
-    for cell in paired_cells(cells):
-        for method, r in cell["results"].items():
-            acc.setdefault(method, {}).setdefault(cell["context"], []).append(r["score"])
-    return acc
-
-
-def niah_accuracy(cells: list[dict]) -> dict:
-    """{method: {context: mean score}} over variants, depths and seeds (``paired_cells`` only)."""
-    return {m: {c: float(np.mean(v)) for c, v in sorted(by.items())} for m, by in _niah_scores(cells).items()}
-
-
-def niah_counts(cells: list[dict]) -> dict:
-    """{method: {context: number of needle cells}} (the sample size behind each accuracy; the same
-    for every method at a context, see ``paired_cells``)."""
-    return {m: {c: len(v) for c, v in sorted(by.items())} for m, by in _niah_scores(cells).items()}
+def niah_summary(cells: list[dict]) -> dict:
+    """{entry: {context: {"n", "exact", "ci", "dlogprob", "dlogprob_ci", "bits"}}}: exact match with
+    its Wilson interval, and the log-probability change against fp32 with a paired bootstrap
+    interval, over the samples holding both the entry and fp32."""
+    by: dict = {}
+    for cell in cells:
+        r = cell["results"]
+        for e, x in r.items():
+            d = by.setdefault(e, {}).setdefault(cell["context"], {"exact": [], "dlp": [], "bits": []})
+            d["exact"].append(int(x["exact"]))
+            d["bits"].append(x.get("bits_per_element", 32.0))
+            if "fp32" in r and e != "fp32":
+                d["dlp"].append((x["logprob"], r["fp32"]["logprob"]))
+    out = {}
+    for e, ctxs in by.items():
+        for c, d in sorted(ctxs.items()):
+            n, k = len(d["exact"]), sum(d["exact"])
+            row = {"n": n, "exact": k / n, "ci": wilson_interval(k, n), "bits": float(np.mean(d["bits"]))}
+            if d["dlp"]:
+                a, b = np.array(d["dlp"]).T
+                pb = paired_bootstrap(a, b)
+                row.update(dlogprob=pb["mean_diff"], dlogprob_ci=pb["ci"], paired=pb["n"])
+            out.setdefault(e, {})[c] = row
+    return out
 
 
 def paired_comparison(cells: list[dict], a: str, b: str) -> dict:
-    """Method ``a`` against method ``b`` on the needle cells that hold both, per context.
-
-    Parameters
-    ----------
-    cells : list of dict
-        Needle cells (``load_results(...)["niah"]``).
-    a, b : str
-        Two different method names ("fp32" included).
+    """Entry ``a`` against entry ``b`` on the needle samples holding both, per context.
 
     Returns
     -------
     dict
-        ``{context: {"n", "wins", "losses", "ties", "mean_diff", "p_sign"}}``: the number of cells
-        holding both methods, the cells where ``a`` scores above ``b``, below, equal, the mean score
-        difference ``a - b``, and the one-sided exact sign-test p-value.
-
-    Notes
-    -----
-    Each cell is one needle sample scored by both methods over the same prefill, so the cells are
-    matched pairs. The sign test drops ties and asks how likely at least ``wins`` wins are out of
-    ``wins + losses`` untied cells if neither method were better:
-    ``p = P(W >= wins), W ~ Binomial(wins + losses, 1/2)`` (1.0 when every cell ties). It needs no
-    assumption on the score distribution (0/1, or thirds for multi-value). Cells are not quite
-    independent (they share the haystack text and the calibrated tables), so p is a guide to how
-    much the sample says, not an exact error rate.
+        ``{context: {"n", "a_only", "b_only", "both", "neither", "p_mcnemar", "dlogprob", "ci", "p_bootstrap"}}``:
+        McNemar's exact test on exact match and a paired bootstrap of the log-probability
+        difference ``a - b`` (``kvq_eval.stats``).
     """
     if not isinstance(a, str) or not isinstance(b, str):
-        raise TypeError("methods a and b must be str")
+        raise TypeError("entries a and b must be str")
     if a == b:
-        raise ValueError(f"methods a and b must differ, got {a!r} twice")
+        raise ValueError(f"entries a and b must differ, got {a!r} twice")
     seen = set().union(*(cell["results"] for cell in cells)) if cells else set()
     for name, m in (("a", a), ("b", b)):
         if m not in seen:
-            raise ValueError(f"method {name}={m!r} has no needle cell; present: {sorted(seen)}")
-    diffs: dict = {}
+            raise ValueError(f"entry {name}={m!r} has no needle sample; present: {sorted(seen)}")
+    pairs: dict = {}
     for cell in cells:
         r = cell["results"]
         if a in r and b in r:
-            diffs.setdefault(cell["context"], []).append(r[a]["score"] - r[b]["score"])
-    if not diffs:
-        raise ValueError(f"no needle cell holds both {a!r} and {b!r}; add one to the other's cells "
-                         f"with kvq-eval run --methods {a},{b}")
+            pairs.setdefault(cell["context"], []).append((r[a]["exact"], r[b]["exact"], r[a]["logprob"],
+                                                          r[b]["logprob"]))
+    if not pairs:
+        raise ValueError(f"no needle sample holds both {a!r} and {b!r}; run them on the same cells")
     out = {}
-    for ctx, d in sorted(diffs.items()):
-        d = np.asarray(d, dtype=float)
-        wins, losses = int(np.sum(d > 0)), int(np.sum(d < 0))
-        m = wins + losses
-        p = sum(math.comb(m, k) for k in range(wins, m + 1)) / 2.0 ** m
-        out[ctx] = {"n": int(d.size), "wins": wins, "losses": losses, "ties": int(d.size) - m,
-                    "mean_diff": float(d.mean()), "p_sign": float(p)}
+    for ctx, rows in sorted(pairs.items()):
+        ea, eb, la, lb = (np.array(x) for x in zip(*rows))
+        mc = mcnemar_exact(ea, eb)
+        pb = paired_bootstrap(la, lb)
+        out[ctx] = {"n": mc["n"], "a_only": mc["a_only"], "b_only": mc["b_only"], "both": mc["both"],
+                    "neither": mc["neither"], "p_mcnemar": mc["p"], "dlogprob": pb["mean_diff"], "ci": pb["ci"],
+                    "p_bootstrap": pb["p"]}
     return out
 
 
 def comparison_table(cmp: dict, a: str, b: str) -> str:
     """``paired_comparison`` as a Markdown table, one row per context."""
-    head = ["context", "cells", f"{a} > {b}", f"{a} < {b}", "ties", f"mean {a} − {b}", "p (sign test, one-sided)"]
+    head = ["context", "samples", f"only {a} exact", f"only {b} exact", "both", "neither", "McNemar p",
+            f"Δ log-prob {a} − {b} [95% CI]", "bootstrap p"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for ctx, r in cmp.items():
-        lines.append(f"| {ctx} | {r['n']} | {r['wins']} | {r['losses']} | {r['ties']} | "
-                     f"{r['mean_diff']:+.2f} | {r['p_sign']:.3g} |")
+        lines.append(f"| {ctx} | {r['n']} | {r['a_only']} | {r['b_only']} | {r['both']} | {r['neither']} | "
+                     f"{r['p_mcnemar']:.3g} | {r['dlogprob']:+.2f} [{r['ci'][0]:+.2f}, {r['ci'][1]:+.2f}] | "
+                     f"{r['p_bootstrap']:.3g} |")
     return "\n".join(lines)
 
 
-def summary_table(res: dict) -> list[dict]:
-    """One row per method: stored bits, perplexity, KL, top-1, NIAH accuracy per context."""
-    acc = niah_accuracy(res["niah"])
-    rows = []
-    for method in sorted(set(res["lm"]) | set(acc)):
-        lm = res["lm"].get(method, {})
-        layers = res["layers"].get(method, {})
-        rows.append({"method": method, "bits_per_element": layers.get("bits_per_element"),
-                     "ppl": lm.get("ppl"), "ppl_fp32": lm.get("ppl_fp32"), "kl": lm.get("kl"),
-                     "top1_agreement": lm.get("top1_agreement"), "niah": acc.get(method, {})})
-    return rows
+def _ctx(c: int) -> str:
+    return f"{c // 1024}K" if c % 1024 == 0 else str(c)
 
 
-def markdown_table(res: dict) -> str:
-    """The summary as a Markdown table (README), fp32 first, then by stored bits.
-
-    Columns: the method's nominal bits per element; the bits it actually stored per element on the
-    ``layers`` task's 1024 tokens (side information and its 16-bit band included, which dominates
-    for NOVA-KV, OSCAR, KIVI and QJL at this length); perplexity and its change against fp32;
-    KL(fp32 || method) per token; top-1 agreement; mean attention-output relative error over
-    layers; needle accuracy per context, over the cells that hold every method (``paired_cells``),
-    with their number in the header (``n``).
-    """
-    rows = summary_table(res)
-    counts = niah_counts(res["niah"])
-    contexts = sorted({c for r in rows for c in r["niah"]})
-    n_at = {c: min(by.get(c, 0) for by in counts.values()) for c in contexts}
-    from .methods import METHODS
-
-    head = ["method", "nominal bits", "stored bits", "ppl", "Δppl", "KL", "top-1", "attn err"]
-    head += [f"NIAH {c // 1024 if c % 1024 == 0 else c}{'K' if c % 1024 == 0 else ''} (n={n_at[c]})"
-             for c in contexts]
-    fp32 = [r for r in rows if r["method"] == "fp32"]
-    rest = sorted((r for r in rows if r["method"] != "fp32"),
-                  key=lambda r: (r["bits_per_element"] is None, r["bits_per_element"] or 0, r["method"]))
-
-    def fmt(x, spec):
-        return "–" if x is None else format(x, spec)
-
+def markdown_table(res: dict, variant: str | None = None) -> str:
+    """One row per entry (fp32 first, then by stored bits): perplexity change per window length with
+    its bootstrap interval and pair-weighted stored bits; needle exact match with its Wilson
+    interval and the log-probability change against fp32 per context (``variant`` restricts the
+    needle samples to one variant)."""
+    pp = ppl_summary(res)
+    cells = [c for c in res["niah"] if variant is None or c["variant"] == variant]
+    nh = niah_summary(cells)
+    lengths = sorted({t for by in pp.values() for t in by})
+    contexts = sorted({c for by in nh.values() for c in by})
+    head = ["entry"]
+    for t in lengths:
+        head += [f"bits @{_ctx(t)}", f"Δppl {_ctx(t)} [95% CI] (windows)", f"KL {_ctx(t)}"]
+    for c in contexts:
+        head += [f"exact {_ctx(c)} [95% CI] (n)", f"Δlog-prob {_ctx(c)} [95% CI]"]
+    entries = sorted(set(pp) | set(nh), key=lambda e: (e != "fp32", _bits_key(e, pp, nh), e))
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in fp32 + rest:
-        err = res["layers"].get(r["method"], {}).get("attn_rel_err")
-        dppl = None if not r["ppl"] or not r["ppl_fp32"] else 100 * (r["ppl"] / r["ppl_fp32"] - 1)
-        dppl_text = "–" if r["method"] == "fp32" or dppl is None else f"{dppl:+.1f}%"
-        nominal = METHODS.get(r["method"], {}).get("nominal_bits")
-        cells = [r["method"], "32" if r["method"] == "fp32" else fmt(nominal, "g"),
-                 "32" if r["method"] == "fp32" else fmt(r["bits_per_element"], ".3g"),
-                 fmt(r["ppl"], ".2f"), dppl_text,
-                 fmt(r["kl"], ".4f"), fmt(r["top1_agreement"], ".3f"),
-                 fmt(float(np.mean(err)) if err else None, ".3f")]
-        cells += [fmt(r["niah"].get(c), ".2f") for c in contexts]
-        lines.append("| " + " | ".join(cells) + " |")
+    for e in entries:
+        row = [e]
+        for t in lengths:
+            p = pp.get(e, {}).get(t)
+            row += (["–"] * 3 if p is None else
+                    [f"{p['bits']:.2f}", f"{p['dppl']:+.2f}% [{p['ci'][0]:+.2f}, {p['ci'][1]:+.2f}] ({p['windows']})",
+                     f"{p['kl']:.4f}"])
+        for c in contexts:
+            x = nh.get(e, {}).get(c)
+            if x is None:
+                row += ["–", "–"]
+                continue
+            row.append(f"{x['exact']:.2f} [{x['ci'][0]:.2f}, {x['ci'][1]:.2f}] ({x['n']})")
+            row.append("–" if "dlogprob" not in x else
+                       f"{x['dlogprob']:+.2f} [{x['dlogprob_ci'][0]:+.2f}, {x['dlogprob_ci'][1]:+.2f}]")
+        lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
+
+
+def _bits_key(e, pp, nh) -> float:
+    for source in (pp.get(e, {}), nh.get(e, {})):
+        for _, x in sorted(source.items()):
+            return x["bits"]
+    return math.inf
 
 
 def figures(res: dict, model: str) -> dict:
-    """The evaluation's charts as matplotlib figures, drawn from ``load_results`` output.
-
-    Returns ``{"accuracy_vs_bits": Figure, "niah_vs_context": Figure}`` (the second only when there
-    are needle results). The figures are built with the object-oriented API, so no pyplot backend is
-    touched: they can be saved anywhere or shown inline in a notebook.
-    """
+    """``{"quality_vs_bits": Figure}``: perplexity change (per window length) and needle exact match
+    (per context) against the stored bits as the cache holds them, with interval bars."""
     from matplotlib.figure import Figure
 
-    rows = [r for r in summary_table(res) if r["method"] != "fp32"]
-    out = {}
-    fig = Figure(figsize=(15, 4.5))
-    axes = fig.subplots(1, 3)
-    for ax, key, label in ((axes[0], "ppl", "perplexity"), (axes[1], "kl", "KL(fp32 || quantized) per token"),
-                           (axes[2], "top1_agreement", "top-1 agreement with fp32")):
-        for r in rows:
-            if r["bits_per_element"] is None or r[key] is None:
-                continue
-            ax.scatter(r["bits_per_element"], r[key], s=25)
-            ax.annotate(r["method"], (r["bits_per_element"], r[key]), fontsize=7, xytext=(3, 3),
-                        textcoords="offset points")
-        if key == "ppl" and "fp32" in res["lm"]:
-            ax.axhline(res["lm"]["fp32"]["ppl"], color="black", lw=1, ls="--", label="fp32")
-            ax.legend(fontsize=8)
-        if key in ("ppl", "kl"):
-            ax.set_yscale("log")
-        ax.set_xlabel("stored bits per element (incl. 16-bit band)")
-        ax.set_ylabel(label)
-        ax.grid(True, alpha=0.3)
+    pp = ppl_summary(res)
+    nh = niah_summary(res["niah"])
+    fig = Figure(figsize=(12, 4.5))
+    ax1, ax2 = fig.subplots(1, 2)
+    for t in sorted({t for by in pp.values() for t in by}):
+        pts = [(e, by[t]) for e, by in sorted(pp.items()) if t in by]
+        x = [p["bits"] for _, p in pts]
+        y = [p["dppl"] for _, p in pts]
+        err = np.array([[p["dppl"] - p["ci"][0], p["ci"][1] - p["dppl"]] for _, p in pts]).T
+        ax1.errorbar(x, y, yerr=err, fmt="o", ms=4, capsize=2, label=f"{_ctx(t)} windows")
+        for (e, _), xi, yi in zip(pts, x, y):
+            ax1.annotate(e, (xi, yi), fontsize=6, xytext=(3, 3), textcoords="offset points")
+    ax1.set_yscale("symlog", linthresh=1.0)
+    ax1.set_xlabel("stored bits per element (band and tables included, pair-weighted)")
+    ax1.set_ylabel("perplexity change vs fp32 (%)")
+    ax1.grid(True, alpha=0.3)
+    if pp:
+        ax1.legend(fontsize=8)
+    for c in sorted({c for by in nh.values() for c in by}):
+        pts = [(e, by[c]) for e, by in sorted(nh.items()) if c in by and e != "fp32"]
+        x = [p["bits"] for _, p in pts]
+        y = [p["exact"] for _, p in pts]
+        err = np.array([[p["exact"] - p["ci"][0], p["ci"][1] - p["exact"]] for _, p in pts]).T
+        if pts:
+            ax2.errorbar(x, y, yerr=err, fmt="o", ms=4, capsize=2, label=f"{_ctx(c)} (n={pts[0][1]['n']})")
+        fp = nh.get("fp32", {}).get(c)
+        if fp:
+            ax2.axhline(fp["exact"], lw=0.8, ls="--", color="gray")
+    ax2.set_xlabel("stored bits per element of the needle cache")
+    ax2.set_ylabel("needle exact match (Wilson 95% CI); dashed: fp32")
+    ax2.set_ylim(-0.05, 1.05)
+    ax2.grid(True, alpha=0.3)
+    if nh:
+        ax2.legend(fontsize=8)
     fig.suptitle(f"{model}: quality vs stored bits")
     fig.tight_layout()
-    out["accuracy_vs_bits"] = fig
-    acc = niah_accuracy(res["niah"])
-    if acc:
-        # a method x context grid with the accuracy written in each cell: with ~18 methods and
-        # one-seed cells, overlapping lines would hide most of them
-        from .methods import METHODS
-
-        counts = niah_counts(res["niah"])
-        contexts = sorted({c for by in acc.values() for c in by})
-        methods = sorted(acc, key=lambda m: (m != "fp32", METHODS.get(m, {}).get("nominal_bits", 32.0), m))
-        grid = np.array([[acc[m].get(c, np.nan) for c in contexts] for m in methods])
-        fig = Figure(figsize=(2.2 + 1.3 * len(contexts), 1.2 + 0.32 * len(methods)))
-        ax = fig.subplots()
-        im = ax.imshow(np.ma.masked_invalid(grid), cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
-        for i in range(len(methods)):
-            for j in range(len(contexts)):
-                if np.isfinite(grid[i, j]):
-                    ax.text(j, i, f"{grid[i, j]:.2f}", ha="center", va="center", fontsize=8,
-                            color="black" if grid[i, j] > 0.6 else "white")
-        n_at = [min(by.get(c, 0) for by in counts.values()) for c in contexts]
-        ax.set_xticks(range(len(contexts)), [f"{c}\n(n={n})" for c, n in zip(contexts, n_at)])
-        ax.set_yticks(range(len(methods)),
-                      [m if m == "fp32" else f"{m} ({METHODS.get(m, {}).get('nominal_bits', float('nan')):g} b)"
-                       for m in methods])
-        ax.set_xlabel("context (tokens); n = needle cells averaged")
-        fig.colorbar(im, ax=ax, label="needle accuracy")
-        ax.set_title(f"{model}: needle-in-a-haystack accuracy vs context")
-        fig.tight_layout()
-        out["niah_vs_context"] = fig
-    return out
+    return {"quality_vs_bits": fig}
 
 
-def plot_results(folder, model: str, prefix, methods=None) -> list[Path]:
-    """Write ``PREFIX_accuracy_vs_bits.png`` and ``PREFIX_niah_vs_context.png`` (see ``figures``;
-    ``methods`` as in ``load_results``)."""
+def plot_results(folder, model: str, prefix, entries=None) -> list[Path]:
+    """Write ``PREFIX_quality_vs_bits.png`` (``figures``; ``entries`` as in ``load_results``)."""
     prefix = Path(prefix)
     prefix.parent.mkdir(parents=True, exist_ok=True)
     paths = []
-    for name, fig in figures(load_results(folder, model, methods), model).items():
+    for name, fig in figures(load_results(folder, model, entries), model).items():
         path = Path(f"{prefix}_{name}.png")
         fig.savefig(path, dpi=110, metadata={"Software": None})
         paths.append(path)

@@ -1,28 +1,37 @@
-"""Evaluation tasks and the resumable grid runner (one JSON file per cell).
+"""Evaluation tasks and the resumable grid runner (one JSON file per cell), serial or on Ray.
 
 Tasks
 -----
-``lm``
-    Teacher-forced next-token prediction on the fixture's ``evaluation`` part (never seen by the
-    calibration): perplexity of the quantized model, perplexity of the fp32 model, KL(fp32 || quant)
-    and top-1 agreement, averaged over ``chunks`` windows of ``tokens`` tokens, with the streaming
-    semantics of ``hooks`` (each position reads older tokens through the method).
-``layers``
-    Per layer, from exactly captured Q/K/V of one evaluation window: attention-output relative error
-    and logit MSE of the method's cache (band included) for the last 64 query positions.
+``ppl``
+    Teacher-forced next-token prediction on held-out text (the fixture after its calibration part):
+    per window of ``T`` tokens the summed NLL of the quantized and the fp32 model, KL(fp32 || quant),
+    top-1 agreement and the NLL change per position bin, with the streaming semantics of ``hooks``
+    (each position reads older tokens through the method, the band per ``kvq_eval.band``). Windows
+    are stored one by one so that tables bootstrap over them (``kvq_eval.stats``).
 ``niah``
-    Needle-in-a-haystack accuracy per (context, variant, depth, seed); the document is prefilled once
-    in full precision and shared by all methods (``niah`` module docstring).
+    One needle sample (``niah``) per cell file, one entry per (method, band, prefill mode): exact
+    match of the greedy answer and the teacher-forced log-probability of the reference answer.
+    ``prefill="exact"`` prefills the document once in full precision (shared by every entry) and
+    quantizes it into the cache; ``prefill="quantized"`` prefills it with streaming-quantized
+    attention (per entry), so the cached keys and values of later layers carry the error too.
+``decode``
+    A long decode: a held-out prefix is prefilled (exact or quantized), then ``new_tokens`` tokens
+    of the continuation are fed one at a time over the quantized cache, each written to it (and
+    quantized once it leaves the band) as it comes: NLL, KL and top-1 against fp32 per token.
+``layers``
+    Per layer, from exactly captured Q/K/V of one window: attention-output relative error and logit
+    MSE of the method's cache (band included) for the last 64 query positions.
 
-Results go to ``OUT/<model>/<task>/<cell>.json``. A run computes only what is missing: an ``lm`` or
-``layers`` file is one method's finished cell; a needle cell holds one entry per method, and a later
-run with more methods adds the missing entries to it (same sample, one shared prefill). Calibrated
-methods record the calibration length they ran with (``calib_tokens``); an entry made with another
-length is recomputed, so one folder holds one calibration per method.
+Results go to ``OUT/<model>/<task>/<cell>.json``. A run computes only what is missing; a needle
+cell gains the entries a later run adds (same sample: its keys, values and prompt length must
+match). Calibrated methods record ``calib_tokens``; an entry made with another length is
+recomputed. Every entry records its band, stored bits (``kvq_eval.accounting``) and wall time.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import math
 import time
@@ -33,14 +42,42 @@ import numpy as np
 
 from kvq_ref.attention import QuantizedKV, attention_prefill, exact_attention, logit_mse, relative_error
 
+from .accounting import cache_bits, pair_weighted_bits, spec_rates
+from .band import Band, parse_band
 from .calib import capture, calibration_tables, token_chunks
 from .hooks import QuantizedCache, cache_kwargs, register, session
 from .methods import make_spec, method_info
 from .models import load_model
-from .niah import VARIANTS, make_sample, score
+from .niah import VARIANTS, exact_match, make_sample
 from .text import part
 
-__all__ = ["Evaluator", "run_grid"]
+__all__ = ["Evaluator", "run_grid", "entry_id", "parse_entry", "POSITION_BINS", "PREFILL_MODES"]
+
+POSITION_BINS = 16
+PREFILL_MODES = ("exact", "quantized")
+TASKS = ("ppl", "niah", "decode", "layers")
+
+
+def entry_id(method: str, band: Band | None, prefill: str = "exact") -> str:
+    """``fp32``, or ``<method>@<band>`` (``none``, ``S,W`` or ``own``), ``+qprefill`` when the
+    prefill was quantized: the name of a needle/decode entry in tables and ``kvq-eval compare``."""
+    if method == "fp32":
+        return "fp32"
+    out = f"{method}@{'own' if band is None else band.label}"
+    return out + ("+qprefill" if prefill == "quantized" else "")
+
+
+def parse_entry(name: str) -> tuple[str, Band | None, str]:
+    """Inverse of ``entry_id``."""
+    if name == "fp32":
+        return "fp32", Band(), "exact"
+    prefill = "quantized" if name.endswith("+qprefill") else "exact"
+    base = name[: -len("+qprefill")] if prefill == "quantized" else name
+    method, sep, band = base.partition("@")
+    if not sep:
+        raise ValueError(f"entry {name!r} is not fp32 or <method>@<band>[+qprefill]")
+    method_info(method)
+    return method, parse_band(band), prefill
 
 
 def _write(path: Path, obj: dict) -> None:
@@ -56,18 +93,20 @@ def _check_calib_tokens(calib_tokens) -> None:
                          f"got {calib_tokens!r}")
 
 
+def _calibrated(method: str) -> bool:
+    return method != "fp32" and bool(method_info(method).get("calibrated"))
+
+
 class Evaluator:
-    """A loaded model with its calibration, running the tasks for any method.
+    """A loaded model with its calibration, running the tasks for any method and band.
 
     Parameters
     ----------
     model_name : {"smollm2", "gemma3"}
     calibrate : bool
-        Build the NOVA-KV/OSCAR tables (cached) for the calibrated methods.
+        Build the calibration tables (cached) for the calibrated methods.
     calib_tokens : int
-        Length of each of the two calibration sequences. Post-RoPE key statistics depend on
-        position, so a calibration shorter than the evaluated context leaves later keys outside
-        the fitted distribution (``benchmarks/nova_position.py`` measures the effect).
+        Length of each of the two calibration sequences (``benchmarks/nova_position.py``).
     """
 
     def __init__(self, model_name: str = "smollm2", calibrate: bool = True, calib_tokens: int = 1024):
@@ -82,45 +121,68 @@ class Evaluator:
         self.model.set_attn_implementation("kvq")
         self.tables = (calibration_tables(self.model, self.tok, model_name, length=calib_tokens)
                        if calibrate else None)
+        self._rates: dict = {}
 
-    def spec(self, method: str):
-        return make_spec(method, self.tables if method_info(method).get("calibrated") else None)
+    def spec(self, method: str, band: Band | None = None):
+        """The method's spec with the run's band (``None``: the method's own band)."""
+        spec = make_spec(method, self.tables if method_info(method).get("calibrated") else None)
+        return spec if band is None else dataclasses.replace(spec, sink=band.sink, window=band.window)
 
-    # --- lm -------------------------------------------------------------------------------------
-    def lm(self, method: str, tokens: int = 1024, chunks: int = 2) -> dict:
-        """Perplexity, KL and top-1 agreement on held-out text (see module docstring)."""
+    def rates(self, spec) -> dict:
+        key = (spec.name, id(spec.tables))
+        if key not in self._rates:
+            i = self.info
+            self._rates[key] = spec_rates(spec, i.layers, i.kv_heads, i.head_dim)
+        return self._rates[key]
+
+    def _band_record(self, spec, T: int) -> dict:
+        r = self.rates(spec)
+        i = self.info
+        acc = pair_weighted_bits(T, spec.sink, spec.window, r["group"], r["rate"], r["table_bits"],
+                                 i.layers, i.kv_heads, i.head_dim)
+        return {"band": {"sink": spec.sink, "window": spec.window, "group": r["group"]},
+                "method_rate": r["rate"], "table_bits": r["table_bits"], "bits_per_element": acc["bits"],
+                "band_pairs": acc["band_pairs"]}
+
+    # --- ppl ------------------------------------------------------------------------------------
+    def ppl(self, method: str, band: Band | None, tokens: int, windows: int) -> dict:
+        """Per-window NLL, KL and top-1 of ``windows`` consecutive held-out windows (module docstring)."""
         import torch
 
-        spec = None if method == "fp32" else self.spec(method)
-        nll_q, nll_f, kl, top1, n = 0.0, 0.0, 0.0, 0.0, 0
-        for ids in token_chunks(self.tok, part("evaluation"), tokens, chunks):
-            ref = self.model(ids).logits[0, :-1].double()
-            if spec is None:
-                out = ref
-            else:
-                with session("simulate", spec):
-                    out = self.model(ids).logits[0, :-1].double()
+        spec = self.spec(method, band)
+        rows = []
+        for ids in token_chunks(self.tok, part("heldout"), tokens, windows):
+            t0 = time.perf_counter()
+            with session("off"):
+                ref = self.model(ids).logits[0, :-1].double()
+            with session("simulate", spec):
+                out = self.model(ids).logits[0, :-1].double()
             target = ids[0, 1:]
             lp, lq = torch.log_softmax(ref, -1), torch.log_softmax(out, -1)
-            nll_f += -lp.gather(1, target[:, None]).sum().item()
-            nll_q += -lq.gather(1, target[:, None]).sum().item()
-            kl += (lp.exp() * (lp - lq)).sum().item()
-            top1 += (out.argmax(-1) == ref.argmax(-1)).sum().item()
-            n += target.numel()
-        return {"ppl": math.exp(nll_q / n), "ppl_fp32": math.exp(nll_f / n), "kl": kl / n,
-                "top1_agreement": top1 / n, "tokens": n}
+            nf = -lp.gather(1, target[:, None])[:, 0]
+            nq = -lq.gather(1, target[:, None])[:, 0]
+            kl = (lp.exp() * (lp - lq)).sum(-1)
+            d = (nq - nf).numpy()
+            bins = np.array_split(np.arange(d.size), POSITION_BINS)
+            rows.append({"n": int(target.numel()), "nll_q": float(nq.sum()), "nll_f": float(nf.sum()),
+                         "kl": float(kl.sum()), "top1": int((out.argmax(-1) == ref.argmax(-1)).sum()),
+                         "dnll_bins": [float(d[b].mean()) for b in bins],
+                         "kl_bins": [float(kl.numpy()[b].mean()) for b in bins],
+                         "seconds": time.perf_counter() - t0})
+        return {"method": method, "tokens": tokens, "text": "heldout", "windows": rows,
+                **self._band_record(spec, tokens)}
 
     # --- layers ---------------------------------------------------------------------------------
-    def layers(self, method: str, tokens: int = 1024, queries: int = 64) -> dict:
+    def layers(self, method: str, band: Band | None, tokens: int = 1024, queries: int = 64) -> dict:
         """Per-layer attention-output relative error and logit MSE from captured Q/K/V."""
-        spec = self.spec(method)
-        ids = token_chunks(self.tok, part("evaluation"), tokens, 1)[0]
+        spec = self.spec(method, band)
+        ids = token_chunks(self.tok, part("heldout"), tokens, 1)[0]
         cap = capture(self.model, ids)
-        rel, lmse, bits = [], [], []
+        rel, lmse = [], []
         for layer in sorted(cap):
             q, k, v = (x.astype(np.float64) for x in cap[layer])
             g = q.shape[0] // k.shape[0]
-            errs, mses, b = [], [], []
+            errs, mses = [], []
             for h in range(k.shape[0]):
                 d = k.shape[-1]
                 cache = QuantizedKV.build(k[h], v[h], spec.key(layer, h, d), spec.value(layer, h, d),
@@ -128,185 +190,343 @@ class Evaluator:
                 qq = q[h * g:(h + 1) * g, -queries:]
                 errs.append(relative_error(attention_prefill(qq, cache), exact_attention(qq, k[h], v[h])))
                 mses.append(logit_mse(qq, k[h], cache))
-                b.append(cache.bits_per_element()["total"])
             rel.append(float(np.mean(errs)))
             lmse.append(float(np.mean(mses)))
-            bits.append(float(np.mean(b)))
-        return {"attn_rel_err": rel, "logit_mse": lmse, "bits_per_element": float(np.mean(bits)),
-                "tokens": tokens, "queries": queries}
+        return {"method": method, "attn_rel_err": rel, "logit_mse": lmse, "tokens": tokens, "queries": queries,
+                **self._band_record(spec, tokens)}
 
-    # --- niah -----------------------------------------------------------------------------------
-    def _greedy(self, cache, first_ids, max_new: int) -> list[int]:
-        out = self.model(first_ids, **cache_kwargs(self.model, cache), use_cache=True)
-        nxt = int(out.logits[0, -1].argmax())
-        gen = [nxt]
-        import torch
-
-        for _ in range(max_new - 1):
-            out = self.model(torch.tensor([[nxt]]), **cache_kwargs(self.model, cache), use_cache=True)
-            nxt = int(out.logits[0, -1].argmax())
-            gen.append(nxt)
-            if nxt == self.tok.eos_token_id:
-                break
-        return gen
-
-    def niah(self, methods, context: int, variant: str, depth: float, seed: int, max_new: int | None = None) -> dict:
-        """One needle sample for every method (fp32 included as "fp32"), sharing one exact prefill.
-
-        ``max_new`` defaults to 14 tokens (one 7-digit value) and 32 for ``multivalue`` (three).
-        """
-        max_new = max_new or (32 if variant == "multivalue" else 14)
-        import copy
-
-        import torch
+    # --- caches ---------------------------------------------------------------------------------
+    def _prefill(self, ids, spec=None):
+        """(DynamicCache holding ``ids``, logits of the last position): exact (``spec`` None) or
+        with streaming-quantized attention."""
         from transformers import DynamicCache
 
-        sample = make_sample(self.tok, variant, context, depth, seed)
-        doc = self.tok(sample.document, return_tensors="pt").input_ids
-        question = self.tok(sample.question, add_special_tokens=False, return_tensors="pt").input_ids
-        prefill = DynamicCache()
-        self.model(doc, **cache_kwargs(self.model, prefill), use_cache=True)
+        cache = DynamicCache()
+        with session("off") if spec is None else session("simulate", spec):
+            logits = self.model(ids, **cache_kwargs(self.model, cache), use_cache=True).logits[0, -1]
+        return cache, logits
+
+    def _calls(self, method, band, prefill, exact, doc):
+        """(make a fresh cache, the session of its calls, the spec or None, last prefill logits) for
+        one entry; ``exact`` is the shared exact ``_prefill`` of ``doc``."""
+        if method == "fp32":
+            return (lambda: copy.deepcopy(exact[0])), (lambda c: session("off")), None, exact[1]
+        spec = self.spec(method, band)
+        base, last = exact if prefill == "exact" else self._prefill(doc, spec)
+        return (lambda: QuantizedCache.from_cache(base, spec)), (lambda c: session("cache", spec, c)), spec, last
+
+    def _step(self, ids, cache, ctx):
+        with ctx(cache):
+            return self.model(ids, **cache_kwargs(self.model, cache), use_cache=True).logits[0]
+
+    # --- niah -----------------------------------------------------------------------------------
+    def niah(self, entries, variant: str, context: int, depth: float, sample: int, max_new: int | None = None) -> dict:
+        """One needle sample scored by every entry (``entry_id`` strings), one exact prefill shared."""
+        import torch
+
+        s = make_sample(self.tok, variant, context, depth, sample)
+        doc = self.tok(s.document, add_special_tokens=not s.chat, return_tensors="pt").input_ids
+        question = self.tok(s.question, add_special_tokens=False, return_tensors="pt").input_ids
+        ref = self.tok(s.reference, add_special_tokens=False, return_tensors="pt").input_ids
+        max_new = max_new or ref.shape[1] + 6
+        exact = self._prefill(doc)
+        eos = self.tok.eos_token_id
         results = {}
-        for method in methods:
+        for name in entries:
             t0 = time.perf_counter()
-            if method == "fp32":
-                gen = self._greedy(copy.deepcopy(prefill), question, max_new)
-                bits = 32.0
-            else:
-                spec = self.spec(method)
-                cache = QuantizedCache.from_cache(prefill, spec)
-                with session("cache", spec, cache):
-                    gen = self._greedy(cache, question, max_new)
-                bits = cache.bits_per_element()
+            method, band, prefill = parse_entry(name)
+            fresh, ctx, spec, _ = self._calls(method, band, prefill, exact, doc)
+            # teacher-forced log-probability of the reference answer
+            cache = fresh()
+            logits = self._step(torch.cat([question, ref], 1), cache, ctx).double()
+            lp = torch.log_softmax(logits[question.shape[1] - 1:-1], -1)
+            logprob = float(lp.gather(1, ref[0, :, None]).sum())
+            # greedy answer
+            cache = fresh()
+            nxt = int(self._step(question, cache, ctx)[-1].argmax())
+            gen = [nxt]
+            while len(gen) < max_new and nxt != eos:
+                nxt = int(self._step(torch.tensor([[nxt]]), cache, ctx)[-1].argmax())
+                gen.append(nxt)
             answer = self.tok.decode(gen, skip_special_tokens=True)
-            results[method] = {"score": score(sample, answer), "answer": answer, "bits_per_element": bits,
-                               "seconds": time.perf_counter() - t0}
-        return {"variant": variant, "context": context, "depth": depth, "seed": seed, "key": sample.key,
-                "values": list(sample.values), "prompt_tokens": int(doc.shape[1] + question.shape[1]),
-                "results": results}
+            entry = {"exact": int(exact_match(s, answer)), "logprob": logprob, "answer": answer,
+                     "reference_tokens": int(ref.shape[1]), "prefill": prefill}
+            if spec is not None:
+                entry["bits_per_element"] = cache_bits(cache, self.rates(spec)["table_bits"])
+                entry["band"] = {"sink": spec.sink, "window": spec.window}
+                if _calibrated(method):
+                    entry["calib_tokens"] = self.calib_tokens
+            else:
+                entry["bits_per_element"] = 32.0
+            entry["seconds"] = time.perf_counter() - t0
+            results[name] = entry
+        return {"variant": variant, "context": context, "depth": depth, "sample": sample, "keys": list(s.keys),
+                "values": list(s.values), "offset": s.offset, "chat": s.chat,
+                "prompt_tokens": int(doc.shape[1] + question.shape[1]), "results": results}
+
+    # --- decode ---------------------------------------------------------------------------------
+    def decode(self, name: str, prefix: int = 1024, new_tokens: int = 512, windows: int = 1) -> dict:
+        """Long decode of ``new_tokens`` held-out tokens after a ``prefix``-token prefill (module docstring)."""
+        import torch
+
+        method, band, prefill = parse_entry(name)
+        rows = []
+        for ids in token_chunks(self.tok, part("heldout"), prefix + new_tokens, windows):
+            t0 = time.perf_counter()
+            with session("off"):
+                ref = self.model(ids).logits[0, prefix - 1:-1].double()
+            doc = ids[:, :prefix]
+            fresh, ctx, spec, last = self._calls(method, band, prefill, self._prefill(doc), doc)
+            cache = fresh()
+            outs = [last]  # the prefill's last position predicts the first new token
+            for t in range(prefix, prefix + new_tokens - 1):
+                outs.append(self._step(ids[:, t:t + 1], cache, ctx)[-1])
+            out = torch.stack(outs).double()
+            target = ids[0, prefix:]
+            lp, lq = torch.log_softmax(ref, -1), torch.log_softmax(out, -1)
+            nf = -lp.gather(1, target[:, None])[:, 0]
+            nq = -lq.gather(1, target[:, None])[:, 0]
+            kl = (lp.exp() * (lp - lq)).sum(-1)
+            d = (nq - nf).numpy()
+            bins = np.array_split(np.arange(d.size), POSITION_BINS)
+            row = {"n": int(target.numel()), "nll_q": float(nq.sum()), "nll_f": float(nf.sum()),
+                   "kl": float(kl.sum()), "top1": int((out.argmax(-1) == ref.argmax(-1)).sum()),
+                   "dnll_bins": [float(d[b].mean()) for b in bins],
+                   "kl_bins": [float(kl.numpy()[b].mean()) for b in bins], "seconds": time.perf_counter() - t0}
+            if spec is not None:
+                row["bits_per_element"] = cache_bits(cache, self.rates(spec)["table_bits"])
+            rows.append(row)
+        out = {"entry": name, "method": method, "prefill": prefill, "prefix": prefix, "new_tokens": new_tokens,
+               "windows": rows}
+        if spec is not None:
+            out["band"] = {"sink": spec.sink, "window": spec.window}
+        return out
 
 
-def run_grid(model: str, methods, out, contexts=(1024,), tasks=("lm", "layers", "niah"), variants=VARIANTS,
-             depths=(0.25, 0.5, 0.75), seeds=(0,), lm_tokens: int = 1024, lm_chunks: int = 2,
-             calib_tokens: int = 1024, progress: bool | None = None) -> dict:
+# --- the grid -------------------------------------------------------------------------------------
+def _file_name(method: str) -> str:
+    """``nova``; ``nova_keys`` for ``nova:keys`` (no colon in file names)."""
+    return method.replace(":", "_")
+
+
+def _entry_file(name: str) -> str:
+    return name.replace(":", "_").replace("@", "__").replace(",", "-").replace("+", "_")
+
+
+def _entry_stale(name: str, entry: dict, calib_tokens: int) -> bool:
+    method = parse_entry(name)[0]
+    return _calibrated(method) and entry.get("calib_tokens") != calib_tokens
+
+
+def _read(path: Path) -> dict | None:
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not a readable result file ({exc}); delete it to recompute the cell") from None
+
+
+def _missing(unit: dict, calib_tokens: int) -> list[str]:
+    """Entries a unit still needs (all of them when its file is absent)."""
+    stored = _read(unit["path"])
+    if unit["task"] != "niah":
+        if stored is None:
+            return [unit["entry"]]
+        return [unit["entry"]] if _entry_stale(unit["entry"], stored, calib_tokens) else []
+    if stored is None:
+        return list(unit["entries"])
+    have = stored["results"]
+    return [e for e in unit["entries"] if e not in have or _entry_stale(e, have[e], calib_tokens)]
+
+
+def _merge_niah(path: Path, new: dict) -> dict:
+    """``new`` (a needle cell for some entries) merged into the cell stored at ``path``, if any. The
+    stored sample must be the one just made, never a silent mix of two samples."""
+    old = _read(path)
+    if old is None:
+        return new
+    fields = ("keys", "values", "prompt_tokens", "offset")
+    if tuple(old.get(f) for f in fields) != tuple(new.get(f) for f in fields):
+        raise ValueError(f"{path}: the stored needle sample differs from the one the generator now makes "
+                         f"(keys {old.get('keys')!r} vs {new['keys']!r}); write to a fresh --out folder")
+    old["results"].update(new["results"])
+    return old
+
+
+def plan(model: str, methods, out, contexts=(1024,), tasks=("ppl", "niah"), variants=VARIANTS,
+         depths=(0.25, 0.5, 0.75), samples: int = 10, bands=("none",), prefill=("exact",),
+         ppl_windows=((1024, 8),), decode=(1024, 512, 1), layers_tokens: int = 1024) -> list[dict]:
+    """The grid's units (one per result file), before looking at what is stored."""
+    methods = [m for m in dict.fromkeys(["fp32", *methods])]
+    for m in methods:
+        if m != "fp32":
+            method_info(m)  # ValueError naming the known methods
+    unknown = set(tasks) - set(TASKS)
+    if unknown:
+        raise ValueError(f"unknown task(s) {sorted(unknown)}; known: {', '.join(TASKS)}")
+    bad = set(prefill) - set(PREFILL_MODES)
+    if bad:
+        raise ValueError(f"prefill must be among {PREFILL_MODES}, got {sorted(bad)}")
+    bad = set(variants) - set(VARIANTS)
+    if bad:
+        raise ValueError(f"variants must be among {VARIANTS}, got {sorted(bad)}")
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+        raise ValueError(f"samples must be a positive integer, got {samples!r}")
+    parsed = [parse_band(b) if isinstance(b, str) else b for b in bands]
+    if not parsed:
+        raise ValueError("bands must name at least one band")
+    quant = [m for m in methods if m != "fp32"]
+    root = Path(out) / model
+    units = []
+    entries = ["fp32"] + [entry_id(m, b, p) for m in quant for b in parsed for p in prefill]
+    if "ppl" in tasks:
+        for tokens, count in ppl_windows:
+            for m in quant:
+                for b in parsed:
+                    e = entry_id(m, b)
+                    units.append({"task": "ppl", "entry": e, "tokens": tokens, "windows": count,
+                                  "path": root / "ppl" / f"{_entry_file(e)}__T{tokens}x{count}.json"})
+    if "layers" in tasks:
+        for m in quant:
+            for b in parsed:
+                e = entry_id(m, b)
+                units.append({"task": "layers", "entry": e, "tokens": layers_tokens,
+                              "path": root / "layers" / f"{_entry_file(e)}__T{layers_tokens}.json"})
+    if "decode" in tasks:
+        prefix, new, count = decode
+        for e in entries:
+            units.append({"task": "decode", "entry": e, "prefix": prefix, "new_tokens": new, "windows": count,
+                          "path": root / "decode" / f"{_entry_file(e)}__P{prefix}_N{new}x{count}.json"})
+    if "niah" in tasks:
+        for c in contexts:
+            for v in variants:
+                for d in depths:
+                    for s in range(samples):
+                        units.append({"task": "niah", "entries": entries, "cell": (v, c, float(d), s),
+                                      "path": root / "niah" / f"{v}_ctx{c}_d{float(d):g}_s{s}.json"})
+    return units
+
+
+def compute(ev: Evaluator, unit: dict, need: list[str]) -> dict:
+    """The new content of one unit (not yet merged with what is stored)."""
+    task = unit["task"]
+    if task == "niah":
+        v, c, d, s = unit["cell"]
+        return ev.niah(need, v, c, d, s)
+    method, band, _ = parse_entry(unit["entry"])
+    if task == "ppl":
+        res = ev.ppl(method, band, unit["tokens"], unit["windows"])
+    elif task == "layers":
+        res = ev.layers(method, band, unit["tokens"])
+    else:
+        res = ev.decode(unit["entry"], unit["prefix"], unit["new_tokens"], unit["windows"])
+    res["entry"] = unit["entry"]
+    if _calibrated(method):
+        res["calib_tokens"] = ev.calib_tokens
+    return res
+
+
+def _finish(model: str, unit: dict, res: dict, seconds: float) -> None:
+    if unit["task"] == "niah":
+        res = _merge_niah(unit["path"], res)
+    res.update({"model": model, "task": unit["task"]})
+    res["wall_seconds"] = res.get("wall_seconds", 0.0) + seconds
+    _write(unit["path"], res)
+
+
+_WORKER_EVALUATORS: dict = {}
+
+
+def _worker_compute(model: str, calibrate: bool, calib_tokens: int, unit: dict, need: list[str]):
+    """A Ray task: (result, seconds); the evaluator is built once per worker process."""
+    key = (model, calibrate, calib_tokens)
+    if key not in _WORKER_EVALUATORS:
+        _WORKER_EVALUATORS[key] = Evaluator(model, calibrate=calibrate, calib_tokens=calib_tokens)
+    t0 = time.perf_counter()
+    res = compute(_WORKER_EVALUATORS[key], unit, need)
+    return res, time.perf_counter() - t0
+
+
+def _run_ray(model, todo, calibrate, calib_tokens, address, num_gpus, show):
+    import ray
+    from tqdm import tqdm
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address=None if address in (None, "local") else address, ignore_reinit_error=True,
+                 log_to_driver=False)
+    try:
+        task = ray.remote(num_gpus=num_gpus, num_cpus=1)(_worker_compute)
+        pending = {task.remote(model, calibrate, calib_tokens, unit, need): unit for unit, need in todo}
+        bar = tqdm(total=len(pending), desc=f"kvq-eval {model} (ray)", unit="cell", disable=not show)
+        while pending:
+            done, _ = ray.wait(list(pending), num_returns=1)
+            unit = pending.pop(done[0])
+            res, seconds = ray.get(done[0])
+            _finish(model, unit, res, seconds)
+            bar.update()
+        bar.close()
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def run_grid(model: str, methods, out, contexts=(1024,), tasks=("ppl", "niah"), variants=VARIANTS,
+             depths=(0.25, 0.5, 0.75), samples: int = 10, bands=("none",), prefill=("exact",),
+             ppl_windows=((1024, 8),), decode=(1024, 512, 1), calib_tokens: int = 1024,
+             progress: bool | None = None, ray: str | None = None, num_gpus: float = 0.0) -> dict:
     """Run every missing cell of the grid and return a summary of what was run.
 
     Parameters
     ----------
     model : str
     methods : sequence of str
-        Method names (``methods.METHODS``, or ``<method>:keys``/``:values``); "fp32" is always
-        evaluated as the baseline.
+        Method names (``methods.METHODS``, ``<method>:keys``/``:values``); "fp32" is always added.
     out : path
         Results folder; cells already present are skipped (resumable).
+    bands : sequence of str or Band
+        Each a run setting applied to every method: ``"none"``, ``"S,W"``, or ``"own"`` (the
+        method's built-in band).
+    prefill : sequence of {"exact", "quantized"}
+        Needle and decode prefill modes.
+    ppl_windows : sequence of (tokens, count)
+    decode : (prefix tokens, new tokens, windows)
     calib_tokens : int
-        Calibration sequence length (``Evaluator``), recorded with every calibrated result. Stored
-        results of calibrated methods made with another length are recomputed (module docstring);
-        a warning says when it is shorter than the longest needle context.
+        Calibration sequence length, recorded with every calibrated entry.
+    ray : str, optional
+        ``"auto"``/an address: run the cells as Ray tasks on that cluster; ``"local"``: start a
+        local Ray instance. The driver writes the same per-cell JSON as a serial run.
+    num_gpus : float
+        GPUs each Ray task asks for.
     """
     import sys
 
     from tqdm import tqdm
 
-    methods = [m for m in dict.fromkeys(["fp32", *methods])]
-    for m in methods:
-        if m != "fp32":
-            method_info(m)  # ValueError naming the known methods
     _check_calib_tokens(calib_tokens)
-    unknown = set(tasks) - {"lm", "layers", "niah"}
-    if unknown:
-        raise ValueError(f"unknown task(s) {sorted(unknown)}; known: lm, layers, niah")
-    root = Path(out) / model
-    cells = []
-    if "lm" in tasks:
-        cells += [("lm", m, root / "lm" / _file_name(m)) for m in methods]
-    if "layers" in tasks:
-        cells += [("layers", m, root / "layers" / _file_name(m)) for m in methods if m != "fp32"]
-    if "niah" in tasks:
-        cells += [("niah", (c, v, d, s), root / "niah" / f"ctx{c}_{v}_d{d:g}_s{s}.json")
-                  for c in contexts for v in variants for d in depths for s in seeds]
-    todo = [(task, arg, path, need) for task, arg, path in cells
-            if (need := _missing(task, arg, path, methods, calib_tokens))]
-    summary = {"cells": len(cells), "done_before": len(cells) - len(todo), "ran": 0}
+    units = plan(model, methods, out, contexts, tasks, variants, depths, samples, bands, prefill,
+                 ppl_windows, decode)
+    todo = [(u, need) for u in units if (need := _missing(u, calib_tokens))]
+    summary = {"cells": len(units), "done_before": len(units) - len(todo), "ran": 0}
     if not todo:
         return summary
-    calibrated = {m for _, _, _, need in todo for m in need if _calibrated(m)}
-    longer = [arg[0] for task, arg, _, need in todo if task == "niah" and arg[0] > calib_tokens
-              and calibrated.intersection(need)]
-    if longer:
-        warnings.warn(f"calib_tokens={calib_tokens} is shorter than the needle context {max(longer)}: "
+    calibrated = {parse_entry(e)[0] for _, need in todo for e in need} & {
+        m for m in methods if m != "fp32" and _calibrated(m)}
+    longest = max([u["cell"][1] for u, _ in todo if u["task"] == "niah"] +
+                  [u.get("tokens", 0) for u, _ in todo] + [0])
+    if calibrated and longest > calib_tokens:
+        warnings.warn(f"calib_tokens={calib_tokens} is shorter than the context {longest}: "
                       f"{', '.join(sorted(calibrated))} will meet keys at positions they were not "
                       f"calibrated on (see benchmarks/nova_position.py)", stacklevel=2)
-    ev = Evaluator(model, calibrate=bool(calibrated), calib_tokens=calib_tokens)
     show = sys.stderr.isatty() if progress is None else progress
-    for task, arg, path, need in tqdm(todo, desc=f"kvq-eval {model}", unit="cell", disable=not show,
-                                      file=sys.stderr):
-        t0 = time.perf_counter()
-        if task == "lm":
-            res = {"method": arg, **ev.lm(arg, lm_tokens, lm_chunks), "calib_tokens": calib_tokens}
-        elif task == "layers":
-            res = {"method": arg, **ev.layers(arg, lm_tokens), "calib_tokens": calib_tokens}
-        else:
-            c, v, d, s = arg
-            res = _merge_niah(path, ev.niah(need, c, v, d, s), calib_tokens)
-        res.update({"model": model, "task": task})
-        res["wall_seconds"] = res.get("wall_seconds", 0.0) + time.perf_counter() - t0
-        _write(path, res)
-        summary["ran"] += 1
+    if ray is not None:
+        _run_ray(model, todo, bool(calibrated), calib_tokens, ray, num_gpus, show)
+    else:
+        ev = Evaluator(model, calibrate=bool(calibrated), calib_tokens=calib_tokens)
+        for unit, need in tqdm(todo, desc=f"kvq-eval {model}", unit="cell", disable=not show, file=sys.stderr):
+            t0 = time.perf_counter()
+            res = compute(ev, unit, need)
+            _finish(model, unit, res, time.perf_counter() - t0)
+    summary["ran"] = len(todo)
     return summary
-
-
-def _file_name(method: str) -> str:
-    """``nova.json``; ``nova_keys.json`` for ``nova:keys`` (no colon in file names)."""
-    return method.replace(":", "_") + ".json"
-
-
-def _calibrated(method: str) -> bool:
-    return method != "fp32" and bool(method_info(method).get("calibrated"))
-
-
-def _entry_calib(entry: dict, cell: dict):
-    """Calibration length of a stored result (per needle entry; older files kept it per cell)."""
-    return entry.get("calib_tokens", cell.get("calib_tokens", 1024))
-
-
-def _missing(task: str, arg, path: Path, methods, calib_tokens: int) -> list[str]:
-    """Methods a cell still needs: absent ones, and calibrated ones stored with another length."""
-    def stale(method, entry, cell):
-        return _calibrated(method) and _entry_calib(entry, cell) != calib_tokens
-
-    wanted = methods if task == "niah" else [arg]
-    if not path.is_file():
-        return list(wanted)
-    try:
-        cell = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: not a readable result file ({exc}); delete it to recompute the cell") from None
-    if task != "niah":
-        return [arg] if stale(arg, cell, cell) else []
-    have = cell["results"]
-    return [m for m in wanted if m not in have or stale(m, have[m], cell)]
-
-
-def _merge_niah(path: Path, new: dict, calib_tokens: int) -> dict:
-    """``new`` (a needle cell for some methods) merged into the cell stored at ``path``, if any.
-
-    Every calibrated entry records its ``calib_tokens``. The stored sample must be the one just
-    made (same needle key and values), or the fixture changed under the folder: that is an error,
-    never a silent mix of two samples.
-    """
-    for method, entry in new["results"].items():
-        if _calibrated(method):
-            entry["calib_tokens"] = calib_tokens
-    if not path.is_file():
-        return new
-    old = json.loads(path.read_text())
-    if (old["key"], old["values"], old["prompt_tokens"]) != (new["key"], new["values"], new["prompt_tokens"]):
-        raise ValueError(f"{path}: the stored needle sample differs from the one the text fixture now "
-                         f"makes (key {old['key']!r} vs {new['key']!r}); write to a fresh --out folder")
-    for method, entry in old["results"].items():
-        if _calibrated(method) and "calib_tokens" not in entry:
-            entry["calib_tokens"] = _entry_calib(entry, old)
-    old["results"].update(new["results"])
-    old.pop("calib_tokens", None)
-    return old
