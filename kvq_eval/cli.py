@@ -104,9 +104,15 @@ def _cmd_plot(args) -> int:
 
 
 def _cmd_table(args) -> int:
-    from .plot import load_results, markdown_table
+    from .plot import layers_table, load_results, markdown_table, position_table
 
-    print(markdown_table(load_results(args.results, args.model, _entries(args.entries)), args.variant))
+    res = load_results(args.results, args.model, _entries(args.entries))
+    if args.positions is not None:
+        print(position_table(res, args.positions))
+    elif args.layers:
+        print(layers_table(res))
+    else:
+        print(markdown_table(res, args.variant))
     return 0
 
 
@@ -170,6 +176,9 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--model", default="smollm2")
     t.add_argument("--entries", default=None, help="only these entries (';' list, e.g. 'fp32;tq_mse4@none')")
     t.add_argument("--variant", default=None, help="needle variant only (single or multiquery)")
+    t.add_argument("--positions", type=int, default=None, metavar="TOKENS",
+                   help="instead: the NLL change per position bin of the TOKENS-token perplexity windows")
+    t.add_argument("--layers", action="store_true", help="instead: per-layer attention error (layers cells)")
     t.set_defaults(func=_cmd_table)
     k = sub.add_parser("compare", help="two entries on their shared needle samples: McNemar's exact test "
                        "on exact match, paired bootstrap on log-probability (Markdown)")

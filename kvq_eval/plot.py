@@ -16,7 +16,7 @@ import numpy as np
 from .stats import bootstrap_mean_ci, mcnemar_exact, paired_bootstrap, wilson_interval
 
 __all__ = ["load_results", "ppl_summary", "niah_summary", "paired_comparison", "comparison_table",
-           "markdown_table", "figures", "plot_results"]
+           "markdown_table", "position_table", "layers_table", "figures", "plot_results"]
 
 _REQUIRED = {"ppl": ("entry", "tokens", "windows", "bits_per_element", "band"),
              "niah": ("variant", "context", "sample", "results"),
@@ -271,3 +271,32 @@ def plot_results(folder, model: str, prefix, entries=None) -> list[Path]:
         fig.savefig(path, dpi=110, metadata={"Software": None})
         paths.append(path)
     return paths
+
+
+def position_table(res: dict, tokens: int) -> str:
+    """Where in a ``tokens``-token perplexity window the loss sits: per entry, the mean NLL change
+    against fp32 (nats per token) in each of the position bins the cells store, over windows."""
+    rows = {e: by[tokens] for e, by in res["ppl"].items() if tokens in by}
+    if not rows:
+        raise ValueError(f"no perplexity cell with {tokens}-token windows; present: "
+                         f"{sorted({t for by in res['ppl'].values() for t in by})}")
+    bins = len(next(iter(rows.values()))["windows"][0]["dnll_bins"])
+    edges = [round(tokens * i / bins) for i in range(bins + 1)]
+    head = ["entry"] + [f"{edges[i]}–{edges[i + 1]}" for i in range(bins)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for e, row in sorted(rows.items()):
+        mean = np.mean([w["dnll_bins"] for w in row["windows"]], axis=0)
+        lines.append("| " + " | ".join([e] + [f"{x:+.3f}" for x in mean]) + " |")
+    return "\n".join(lines)
+
+
+def layers_table(res: dict) -> str:
+    """Per-layer attention-output relative error (``layers`` cells), one row per entry."""
+    if not res["layers"]:
+        raise ValueError("no layers cells (run kvq-eval run --tasks layers)")
+    n = max(len(r["attn_rel_err"]) for r in res["layers"].values())
+    head = ["entry"] + [f"L{i}" for i in range(n)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for e, r in sorted(res["layers"].items()):
+        lines.append("| " + " | ".join([e] + [f"{x:.3f}" for x in r["attn_rel_err"]]) + " |")
+    return "\n".join(lines)

@@ -14,7 +14,7 @@ from kvq_eval.plot import load_results, markdown_table, niah_summary, paired_com
 
 def _ppl(entry, tokens, dnll, bits):
     windows = [{"n": tokens - 1, "nll_q": (2.0 + d) * (tokens - 1), "nll_f": 2.0 * (tokens - 1), "kl": 0.01 * tokens,
-                "top1": tokens - 2} for d in dnll]
+                "top1": tokens - 2, "dnll_bins": [d * (1 + b) for b in range(4)]} for d in dnll]
     return {"entry": entry, "tokens": tokens, "windows": windows, "bits_per_element": bits, "band_pairs": 0.1,
             "band": {"sink": 0, "window": 0}, "task": "ppl"}
 
@@ -103,3 +103,17 @@ def test_run_arguments_are_validated(tmp_path):
     assert main(["run", "--prefill", "lazy", "--out", str(tmp_path)]) == 2
     assert main(["run", "--methods", "nope", "--out", str(tmp_path)]) == 2
     assert not any(tmp_path.iterdir())
+
+
+def test_position_and_layer_tables(folder, capsys):
+    assert main(["table", str(folder), "--positions", "1024"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "| entry | 0–256 | 256–512 | 512–768 | 768–1024 |"
+    # mean over windows of d * (1 + bin): d averages 0.05 for tq_mse4@none
+    assert "| tq_mse4@none | +0.050 | +0.100 | +0.150 | +0.200 |" in out
+    assert main(["table", str(folder), "--positions", "8192"]) == 2
+    assert "no perplexity cell with 8192-token windows; present: [1024]" in capsys.readouterr().err
+    _write(folder / "smollm2", "layers/a.json", {"entry": "tq_mse4@none", "attn_rel_err": [0.1, 0.25],
+                                                  "logit_mse": [1.0, 2.0], "bits_per_element": 4.25})
+    assert main(["table", str(folder), "--layers"]) == 0
+    assert "| tq_mse4@none | 0.100 | 0.250 |" in capsys.readouterr().out
