@@ -33,7 +33,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import math
 import time
 import warnings
 from pathlib import Path
@@ -97,6 +96,22 @@ def _calibrated(method: str) -> bool:
     return method != "fp32" and bool(method_info(method).get("calibrated"))
 
 
+def _window_stats(ref, out, target) -> dict:
+    """Summed NLL of the quantized and the fp32 logits, KL(fp32 || quant), top-1 agreement and the
+    NLL/KL change per position bin, for logits (T, vocab) predicting ``target`` (T,)."""
+    import torch
+
+    lp, lq = torch.log_softmax(ref, -1), torch.log_softmax(out, -1)
+    nf = -lp.gather(1, target[:, None])[:, 0]
+    nq = -lq.gather(1, target[:, None])[:, 0]
+    kl = (lp.exp() * (lp - lq)).sum(-1)
+    d, k = (nq - nf).numpy(), kl.numpy()
+    bins = np.array_split(np.arange(d.size), POSITION_BINS)
+    return {"n": int(target.numel()), "nll_q": float(nq.sum()), "nll_f": float(nf.sum()), "kl": float(kl.sum()),
+            "top1": int((out.argmax(-1) == ref.argmax(-1)).sum()), "dnll_bins": [float(d[b].mean()) for b in bins],
+            "kl_bins": [float(k[b].mean()) for b in bins]}
+
+
 class Evaluator:
     """A loaded model with its calibration, running the tasks for any method and band.
 
@@ -147,8 +162,6 @@ class Evaluator:
     # --- ppl ------------------------------------------------------------------------------------
     def ppl(self, method: str, band: Band | None, tokens: int, windows: int) -> dict:
         """Per-window NLL, KL and top-1 of ``windows`` consecutive held-out windows (module docstring)."""
-        import torch
-
         spec = self.spec(method, band)
         rows = []
         for ids in token_chunks(self.tok, part("heldout"), tokens, windows):
@@ -157,18 +170,7 @@ class Evaluator:
                 ref = self.model(ids).logits[0, :-1].double()
             with session("simulate", spec):
                 out = self.model(ids).logits[0, :-1].double()
-            target = ids[0, 1:]
-            lp, lq = torch.log_softmax(ref, -1), torch.log_softmax(out, -1)
-            nf = -lp.gather(1, target[:, None])[:, 0]
-            nq = -lq.gather(1, target[:, None])[:, 0]
-            kl = (lp.exp() * (lp - lq)).sum(-1)
-            d = (nq - nf).numpy()
-            bins = np.array_split(np.arange(d.size), POSITION_BINS)
-            rows.append({"n": int(target.numel()), "nll_q": float(nq.sum()), "nll_f": float(nf.sum()),
-                         "kl": float(kl.sum()), "top1": int((out.argmax(-1) == ref.argmax(-1)).sum()),
-                         "dnll_bins": [float(d[b].mean()) for b in bins],
-                         "kl_bins": [float(kl.numpy()[b].mean()) for b in bins],
-                         "seconds": time.perf_counter() - t0})
+            rows.append({**_window_stats(ref, out, ids[0, 1:]), "seconds": time.perf_counter() - t0})
         return {"method": method, "tokens": tokens, "text": "heldout", "windows": rows,
                 **self._band_record(spec, tokens)}
 
@@ -282,17 +284,7 @@ class Evaluator:
             for t in range(prefix, prefix + new_tokens - 1):
                 outs.append(self._step(ids[:, t:t + 1], cache, ctx)[-1])
             out = torch.stack(outs).double()
-            target = ids[0, prefix:]
-            lp, lq = torch.log_softmax(ref, -1), torch.log_softmax(out, -1)
-            nf = -lp.gather(1, target[:, None])[:, 0]
-            nq = -lq.gather(1, target[:, None])[:, 0]
-            kl = (lp.exp() * (lp - lq)).sum(-1)
-            d = (nq - nf).numpy()
-            bins = np.array_split(np.arange(d.size), POSITION_BINS)
-            row = {"n": int(target.numel()), "nll_q": float(nq.sum()), "nll_f": float(nf.sum()),
-                   "kl": float(kl.sum()), "top1": int((out.argmax(-1) == ref.argmax(-1)).sum()),
-                   "dnll_bins": [float(d[b].mean()) for b in bins],
-                   "kl_bins": [float(kl.numpy()[b].mean()) for b in bins], "seconds": time.perf_counter() - t0}
+            row = {**_window_stats(ref, out, ids[0, prefix:]), "seconds": time.perf_counter() - t0}
             if spec is not None:
                 row["bits_per_element"] = cache_bits(cache, self.rates(spec)["table_bits"])
             rows.append(row)

@@ -12,7 +12,7 @@ import pytest
 
 from kvq_ref import KIVI, QJL, PolarQuant, QuaRot, TurboBlock, TurboQuantMSE, TurboQuantProd
 from kvq_eval.hooks import concat_encoded
-from kvq_eval.methods import METHODS, Blocked, Identity, make_spec
+from kvq_eval.methods import Blocked, Identity, make_spec
 
 
 # ---------------------------------------------------------------------------------------------

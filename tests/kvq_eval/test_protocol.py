@@ -166,3 +166,26 @@ def test_exact_match():
     one = make_sample(WordTok(), "single", 1024, 0.5, 1, haystack=HAY)
     v = one.values[0]
     assert exact_match(one, f"{v[0]},{v[1:4]},{v[4:]}") and not exact_match(one, v + "1")
+
+
+def test_window_stats_against_direct_formulas():
+    """NLL sums, KL(fp32 || quant) and top-1 from logits, checked against scipy's log-softmax."""
+    import torch
+    from scipy.special import log_softmax
+
+    from kvq_eval.runner import POSITION_BINS, _window_stats
+
+    rng = np.random.default_rng(0)
+    ref, out = rng.standard_normal((40, 7)), rng.standard_normal((40, 7))
+    target = rng.integers(0, 7, 40)
+    s = _window_stats(torch.from_numpy(ref), torch.from_numpy(out), torch.from_numpy(target))
+    lp, lq = log_softmax(ref, -1), log_softmax(out, -1)
+    nf, nq = -lp[np.arange(40), target], -lq[np.arange(40), target]
+    kl = (np.exp(lp) * (lp - lq)).sum(-1)
+    assert s["n"] == 40 and s["nll_f"] == pytest.approx(nf.sum(), rel=1e-12)
+    assert s["nll_q"] == pytest.approx(nq.sum(), rel=1e-12) and s["kl"] == pytest.approx(kl.sum(), rel=1e-12)
+    assert s["top1"] == int((ref.argmax(-1) == out.argmax(-1)).sum())
+    assert len(s["dnll_bins"]) == POSITION_BINS
+    assert np.mean(s["dnll_bins"][:8]) == pytest.approx((nq - nf)[:24].mean(), rel=1e-12)  # 8 bins of 3
+    same = _window_stats(torch.from_numpy(ref), torch.from_numpy(ref), torch.from_numpy(target))
+    assert same["kl"] == 0.0 and same["top1"] == 40 and same["nll_q"] == same["nll_f"]
