@@ -176,9 +176,9 @@ def _ctx(c: int) -> str:
 
 def markdown_table(res: dict, variant: str | None = None) -> str:
     """One row per entry (fp32 first, then by stored bits): perplexity change per window length with
-    its bootstrap interval and pair-weighted stored bits; needle exact match with its Wilson
-    interval and the log-probability change against fp32 per context (``variant`` restricts the
-    needle samples to one variant)."""
+    its bootstrap interval and pair-weighted stored bits; per needle context the stored bits of the
+    decoding cache (mean over samples), exact match with its Wilson interval and the
+    log-probability change against fp32 (``variant`` restricts the needle samples to one variant)."""
     pp = ppl_summary(res)
     cells = [c for c in res["niah"] if variant is None or c["variant"] == variant]
     nh = niah_summary(cells)
@@ -188,7 +188,7 @@ def markdown_table(res: dict, variant: str | None = None) -> str:
     for t in lengths:
         head += [f"bits @{_ctx(t)}", f"Δppl {_ctx(t)} [95% CI] (windows)", f"KL {_ctx(t)}"]
     for c in contexts:
-        head += [f"exact {_ctx(c)} [95% CI] (n)", f"Δlog-prob {_ctx(c)} [95% CI]"]
+        head += [f"cache bits {_ctx(c)}", f"exact {_ctx(c)} [95% CI] (n)", f"Δlog-prob {_ctx(c)} [95% CI]"]
     entries = sorted(set(pp) | set(nh), key=lambda e: (e != "fp32", _bits_key(e, pp, nh), e))
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for e in entries:
@@ -201,8 +201,9 @@ def markdown_table(res: dict, variant: str | None = None) -> str:
         for c in contexts:
             x = nh.get(e, {}).get(c)
             if x is None:
-                row += ["–", "–"]
+                row += ["–", "–", "–"]
                 continue
+            row.append(f"{x['bits']:.2f}")
             row.append(f"{x['exact']:.2f} [{x['ci'][0]:.2f}, {x['ci'][1]:.2f}] ({x['n']})")
             row.append("–" if "dlogprob" not in x else
                        f"{x['dlogprob']:+.2f} [{x['dlogprob_ci'][0]:+.2f}, {x['dlogprob_ci'][1]:+.2f}]")

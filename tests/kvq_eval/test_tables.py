@@ -51,9 +51,9 @@ def test_summaries_and_table(folder):
     assert row["exact"] == 7 / 12 and row["ci"] == pytest.approx((ci.low, ci.high), abs=1e-12)
     assert row["dlogprob"] == pytest.approx(-0.5) and row["dlogprob_ci"] == pytest.approx((-0.5, -0.5))
     table = markdown_table(res).splitlines()
-    assert table[0].startswith("| entry | bits @1K | Δppl 1K [95% CI] (windows) | KL 1K | exact 1K [95% CI] (n)")
-    assert table[2].startswith("| fp32 | – | – | – | 0.83 [")
-    assert table[3].startswith("| tq_mse4@none | 4.25 | +5.13% [") and table[3].endswith("| -0.50 [-0.50, -0.50] |")
+    assert table[0].startswith("| entry | bits @1K | Δppl 1K [95% CI] (windows) | KL 1K | cache bits 1K | exact 1K")
+    assert table[2].startswith("| fp32 | – | – | – | 32.00 | 0.83 [")
+    assert table[3].startswith("| tq_mse4@none | 4.25 | +5.13% [") and table[3].endswith("| 4.25 | 0.58 [0.32, 0.81] (12) | -0.50 [-0.50, -0.50] |")
     assert table[4].startswith("| tq_mse4@64,256 | 6.20 |")
     paths = plot_results(folder, "smollm2", folder / "out" / "s")
     assert len(paths) == 1 and paths[0].stat().st_size > 10_000
