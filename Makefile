@@ -33,8 +33,9 @@ eval-deps: $(STAMP)
 # band, none and 64+256; needles sample 30 prompts per variant and context (5 depths x 6 samples) at
 # 1K, 4K and 8K; perplexity over 8 windows of 1K and 7 of 8K tokens; calibration covers the context
 # (2 x 8192 tokens). Then quantized prefill and a 512-token decode, and the key-error study
-# (K/V bit splits, mean-centred keys, recent-token windows; per-layer errors). About 2 CPU-days on
-# 2 cores: run it on a Ray cluster with RAY=auto (or an address).
+# (K/V bit splits, mean-centred keys, recent-token windows; per-layer errors). Several CPU-days on
+# 2 cores (estimated from the per-entry wall times in results/eval_v2): run it on a Ray cluster with
+# RAY=auto (or an address).
 EVAL_OUT := results/eval_v2
 EVAL_RUN  = $(VENV)/bin/kvq-eval run $(if $(RAY),--ray $(RAY)) --out $(EVAL_OUT) --calib-tokens 8192
 EVAL_2TO4 := tq_mse2,tq_mse3,tq_mse4,tq_prod3,tq_prod4,tq_split2.5,tq_split3.5,qjl,polarquant,kivi2,kivi4,quarot2,quarot4,turbo3,turbo4,oscar,nova
