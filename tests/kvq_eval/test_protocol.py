@@ -189,3 +189,26 @@ def test_window_stats_against_direct_formulas():
     assert np.mean(s["dnll_bins"][:8]) == pytest.approx((nq - nf)[:24].mean(), rel=1e-12)  # 8 bins of 3
     same = _window_stats(torch.from_numpy(ref), torch.from_numpy(ref), torch.from_numpy(target))
     assert same["kl"] == 0.0 and same["top1"] == 40 and same["nll_q"] == same["nll_f"]
+
+
+def test_study_methods_in_the_registry():
+    """``<base>-mc`` centres keys on the calibration mean of their (layer, head); values untouched."""
+    from types import SimpleNamespace
+
+    from kvq_eval.methods import METHODS, make_spec
+
+    mean = np.arange(64) / 10.0
+    stats = SimpleNamespace(head=lambda layer, head: SimpleNamespace(keys=SimpleNamespace(mean=mean + layer + head)))
+    tables = type("Tables", (), {"stats": stats})()  # hashed by identity, as CalibrationTables
+    spec = make_spec("tq_mse4-mc", tables=tables)
+    key, value = spec.key(2, 1, 64), spec.value(2, 1, 64)
+    assert isinstance(key, CenteredKeys) and np.array_equal(np.asarray(key.mu), mean + 3)
+    assert key.inner == make_spec("tq_mse4").key(2, 1, 64) and value == make_spec("tq_mse4").value(2, 1, 64)
+    with pytest.raises(ValueError, match="needs calibration tables"):
+        make_spec("quarot2-mc")
+    for name, (kb, vb) in {"tq_k4v2": (4, 2), "tq_k5v3": (5, 3), "tq_k8v4": (8, 4)}.items():
+        s = make_spec(name)
+        assert (s.key(0, 0, 64).bits, s.value(0, 0, 64).bits) == (kb, vb)
+        assert METHODS[name]["nominal_bits"] == (kb + vb) / 2
+    assert {f"{b}-mc" for b in ("tq_mse2", "tq_mse3", "tq_mse4", "tq_split2.5", "tq_split3.5", "quarot2",
+                                "quarot4")} <= set(METHODS)
