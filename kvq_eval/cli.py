@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import signal
 import sys
 import time
 from pathlib import Path
@@ -76,23 +77,38 @@ def _cmd_run(args) -> int:
     for b in bands:
         parse_band(b)
     t0 = time.perf_counter()
-    summary = run_grid(args.model, _methods(args.methods), args.out,
-                       contexts=parse_int_list(args.ctx, "--ctx"),
-                       tasks=[t.strip() for t in args.tasks.split(",")],
-                       variants=[v.strip() for v in args.variants.split(",")],
-                       depths=parse_float_list(args.depths, "--depths"), samples=args.samples, bands=bands,
-                       prefill=[p.strip() for p in args.prefill.split(",")],
-                       ppl_windows=_windows(args.ppl_windows), decode=_decode(args.decode),
-                       calib_tokens=args.calib_tokens, ray=args.ray, num_gpus=args.ray_gpus)
+    summary: dict = {}
+    interrupted = None
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        run_grid(args.model, _methods(args.methods), args.out,
+                 contexts=parse_int_list(args.ctx, "--ctx"),
+                 tasks=[t.strip() for t in args.tasks.split(",")],
+                 variants=[v.strip() for v in args.variants.split(",")],
+                 depths=parse_float_list(args.depths, "--depths"), samples=args.samples, bands=bands,
+                 prefill=[p.strip() for p in args.prefill.split(",")],
+                 ppl_windows=_windows(args.ppl_windows), decode=_decode(args.decode),
+                 calib_tokens=args.calib_tokens, ray=args.ray, num_gpus=args.ray_gpus, summary=summary)
+    except KeyboardInterrupt as exc:
+        interrupted = str(exc) or "SIGINT"
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     wall = time.perf_counter() - t0
-    log = Path(args.out) / args.model / "runs.jsonl"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("a") as f:
-        f.write(json.dumps({"command": shlex.join(["kvq-eval", *sys.argv[1:]]), "wall_seconds": round(wall, 1),
-                            **summary}) + "\n")
-    print(f"{summary['ran']} cell(s) run, {summary['done_before']} already done, of {summary['cells']}; "
-          f"{wall:.0f} s")
-    return 0
+    if summary:  # the grid was planned: log the command, also when it was stopped part-way
+        log = Path(args.out) / args.model / "runs.jsonl"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        entry = {"command": shlex.join(["kvq-eval", *args.argv]), "wall_seconds": round(wall, 1), **summary}
+        if interrupted:
+            entry["interrupted"] = interrupted
+        with log.open("a") as f:
+            f.write(json.dumps(entry) + "\n")
+    print(f"{summary.get('ran', 0)} cell(s) run, {summary.get('done_before', 0)} already done, of "
+          f"{summary.get('cells', 0)}; {wall:.0f} s" + (f" (interrupted: {interrupted})" if interrupted else ""))
+    return 130 if interrupted else 0
 
 
 def _cmd_plot(args) -> int:
@@ -201,6 +217,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Console entry point."""
     args = _parser().parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)  # what runs.jsonl records
     try:
         return args.func(args)
     except (ValueError, TypeError, FileNotFoundError) as exc:

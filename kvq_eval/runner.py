@@ -440,7 +440,7 @@ def _worker_compute(model: str, calibrate: bool, calib_tokens: int, unit: dict, 
     return res, time.perf_counter() - t0
 
 
-def _run_ray(model, todo, calibrate, calib_tokens, address, num_gpus, show):
+def _run_ray(model, todo, calibrate, calib_tokens, address, num_gpus, show, summary):
     import ray
     from tqdm import tqdm
 
@@ -457,6 +457,7 @@ def _run_ray(model, todo, calibrate, calib_tokens, address, num_gpus, show):
             unit = pending.pop(done[0])
             res, seconds = ray.get(done[0])
             _finish(model, unit, res, seconds)
+            summary["ran"] += 1
             bar.update()
         bar.close()
     finally:
@@ -467,7 +468,8 @@ def _run_ray(model, todo, calibrate, calib_tokens, address, num_gpus, show):
 def run_grid(model: str, methods, out, contexts=(1024,), tasks=("ppl", "niah"), variants=VARIANTS,
              depths=(0.25, 0.5, 0.75), samples: int = 10, bands=("none",), prefill=("exact",),
              ppl_windows=((1024, 8),), decode=(1024, 512, 1), calib_tokens: int = 1024,
-             progress: bool | None = None, ray: str | None = None, num_gpus: float = 0.0) -> dict:
+             progress: bool | None = None, ray: str | None = None, num_gpus: float = 0.0,
+             summary: dict | None = None) -> dict:
     """Run every missing cell of the grid and return a summary of what was run.
 
     Parameters
@@ -491,6 +493,9 @@ def run_grid(model: str, methods, out, contexts=(1024,), tasks=("ppl", "niah"), 
         local Ray instance. The driver writes the same per-cell JSON as a serial run.
     num_gpus : float
         GPUs each Ray task asks for.
+    summary : dict, optional
+        Filled in place as cells finish (``cells``, ``done_before``, ``ran``), so a caller that
+        is interrupted still knows what was written.
     """
     import sys
 
@@ -500,7 +505,8 @@ def run_grid(model: str, methods, out, contexts=(1024,), tasks=("ppl", "niah"), 
     units = plan(model, methods, out, contexts, tasks, variants, depths, samples, bands, prefill,
                  ppl_windows, decode)
     todo = [(u, need) for u in units if (need := _missing(u, calib_tokens))]
-    summary = {"cells": len(units), "done_before": len(units) - len(todo), "ran": 0}
+    summary = {} if summary is None else summary
+    summary.update(cells=len(units), done_before=len(units) - len(todo), ran=0)
     if not todo:
         return summary
     calibrated = {parse_entry(e)[0] for _, need in todo for e in need} & {
@@ -513,12 +519,12 @@ def run_grid(model: str, methods, out, contexts=(1024,), tasks=("ppl", "niah"), 
                       f"calibrated on (see benchmarks/nova_position.py)", stacklevel=2)
     show = sys.stderr.isatty() if progress is None else progress
     if ray is not None:
-        _run_ray(model, todo, bool(calibrated), calib_tokens, ray, num_gpus, show)
+        _run_ray(model, todo, bool(calibrated), calib_tokens, ray, num_gpus, show, summary)
     else:
         ev = Evaluator(model, calibrate=bool(calibrated), calib_tokens=calib_tokens)
         for unit, need in tqdm(todo, desc=f"kvq-eval {model}", unit="cell", disable=not show, file=sys.stderr):
             t0 = time.perf_counter()
             res = compute(ev, unit, need)
             _finish(model, unit, res, time.perf_counter() - t0)
-    summary["ran"] = len(todo)
+            summary["ran"] += 1
     return summary

@@ -117,3 +117,24 @@ def test_position_and_layer_tables(folder, capsys):
                                                   "logit_mse": [1.0, 2.0], "bits_per_element": 4.25})
     assert main(["table", str(folder), "--layers"]) == 0
     assert "| tq_mse4@none | 0.100 | 0.250 |" in capsys.readouterr().out
+
+
+def test_interrupted_run_is_logged_with_what_it_wrote(tmp_path, monkeypatch, capsys):
+    """SIGTERM/Ctrl-C part-way: runs.jsonl still records the command, its wall time and the cells
+    written so far (the convention of results/*/runs.jsonl), and the exit status is 130."""
+    import os
+    import signal
+
+    import kvq_eval.runner as runner
+
+    def fake_grid(*args, summary, **kw):
+        summary.update(cells=10, done_before=2, ran=3)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(runner, "run_grid", fake_grid)
+    assert main(["run", "--methods", "tq_mse4", "--out", str(tmp_path)]) == 130
+    line = json.loads((tmp_path / "smollm2" / "runs.jsonl").read_text())
+    assert (line["cells"], line["done_before"], line["ran"], line["interrupted"]) == (10, 2, 3, "SIGTERM")
+    assert line["command"].startswith("kvq-eval run --methods tq_mse4") and line["wall_seconds"] >= 0
+    assert "3 cell(s) run, 2 already done, of 10" in capsys.readouterr().out
+    assert signal.getsignal(signal.SIGTERM) is not None
