@@ -28,13 +28,27 @@ eval-deps: $(STAMP)
 	command -v bible >/dev/null || (apt-get install -y bible-kjv >/dev/null 2>&1 || \
 	  echo "bible-kjv not installed (optional: the committed fixture covers 8K-token haystacks)")
 
-# The full SmolLM2 grid of README's evaluation table (resumable: only missing entries are computed).
-# Calibrated methods are fitted on 2 x 4096 tokens, covering the contexts up to 4K (the length
-# matters: benchmarks/nova_position.py). The 8K cells with a matching 8192-token calibration, which
-# takes ~25 min on 2 cores, are in results/eval_calib8192 (README).
+# The evaluation grid (protocol v2, README's evaluation section), resumable: only missing cells are
+# computed, so an interrupted run continues where it stopped. Every method runs with the same 16-bit
+# band, none and 64+256; needles sample 30 prompts per variant and context (5 depths x 6 samples) at
+# 1K, 4K and 8K; perplexity over 8 windows of 1K and 7 of 8K tokens; calibration covers the context
+# (2 x 8192 tokens). Then quantized prefill and a 512-token decode, and the key-error study
+# (K/V bit splits, mean-centred keys, recent-token windows; per-layer errors). Several CPU-days on
+# 2 cores (estimated from the per-entry wall times in results/eval_v2): run it on a Ray cluster with
+# RAY=auto (or an address).
+EVAL_OUT := results/eval_v2
+EVAL_RUN  = $(VENV)/bin/kvq-eval run $(if $(RAY),--ray $(RAY)) --out $(EVAL_OUT) --calib-tokens 8192
+EVAL_2TO4 := tq_mse2,tq_mse3,tq_mse4,tq_prod3,tq_prod4,tq_split2.5,tq_split3.5,qjl,polarquant,kivi2,kivi4,quarot2,quarot4,turbo3,turbo4,oscar,nova
+NEEDLES := --depths 0.1,0.3,0.5,0.7,0.9 --samples 6
 eval: $(STAMP)
-	$(VENV)/bin/kvq-eval run --model smollm2 --methods default --ctx 1024,2048,4096,8192 --seeds 0,1 --calib-tokens 4096 --out results/eval
-	$(VENV)/bin/kvq-eval plot results/eval --model smollm2 -o results/eval/smollm2
+	$(EVAL_RUN) --model smollm2 --methods $(EVAL_2TO4) --band none --band 64,256 --tasks niah $(NEEDLES) --ctx 1024,4096,8192
+	$(EVAL_RUN) --model smollm2 --methods $(EVAL_2TO4) --band none --band 64,256 --tasks ppl,layers --ppl-windows 1024x8,8192x7
+	$(EVAL_RUN) --model smollm2 --methods tq_mse2,tq_mse3,tq_mse4,nova,quarot2 --band none --band 64,256 --tasks niah,decode --prefill exact,quantized $(NEEDLES) --ctx 1024 --decode 1024,512,2
+	$(EVAL_RUN) --model smollm2 --methods tq_mse3,tq_mse4,tq_mse3-mc,tq_mse4-mc,tq_split3.5,tq_split3.5-mc,quarot4-mc,tq_k4v2,tq_k5v3,tq_k8v4 --band none --band 0,64 --band 0,256 --tasks ppl,layers --ppl-windows 1024x8,8192x7
+	$(EVAL_RUN) --model gemma3 --methods $(EVAL_2TO4) --band none --band 64,256 --tasks niah $(NEEDLES) --ctx 1024,4096,8192
+	$(EVAL_RUN) --model gemma3 --methods $(EVAL_2TO4) --band none --band 64,256 --tasks ppl,layers --ppl-windows 1024x8,8192x4
+	$(VENV)/bin/kvq-eval plot $(EVAL_OUT) --model smollm2 -o $(EVAL_OUT)/smollm2
+	$(VENV)/bin/kvq-eval plot $(EVAL_OUT) --model gemma3 -o $(EVAL_OUT)/gemma3
 
 # The demo writes only under $(OUT)/ (ignored by git): regenerated curves differ from the committed
 # results/theory/ in last digits across machines (BLAS, libm), so a demo run never dirties the checkout.
@@ -75,4 +89,4 @@ bench: $(STAMP)
 # helper (packing, rotations, row norms), drop the caches of the functions that inline it.
 clean:
 	rm -rf $(OUT) .pytest_cache .hypothesis
-	find codebooks kvq_ref theory gpu -name '*.nbi' -o -name '*.nbc' 2>/dev/null | xargs rm -f
+	find codebooks kvq_ref kvq_eval theory gpu -name '*.nbi' -o -name '*.nbc' 2>/dev/null | xargs rm -f

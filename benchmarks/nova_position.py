@@ -82,9 +82,9 @@ def main(argv=None) -> dict:
         raise SystemExit(f"--tokens must be a multiple of {BIN}, at least {2 * BIN}")
     import torch
 
-    from kvq_ref.eval.calib import capture, token_chunks
-    from kvq_ref.eval.runner import Evaluator
-    from kvq_ref.eval.text import part
+    from kvq_eval.calib import capture, token_chunks
+    from kvq_eval.runner import Evaluator
+    from kvq_eval.text import part
 
     t0 = time.perf_counter()
     torch.set_grad_enabled(False)

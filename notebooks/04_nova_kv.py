@@ -16,9 +16,9 @@ import numpy as np
 from codebooks import equal_volume_groups
 from codebooks.nova import calibrate
 from kvq_ref import QuaRot, TurboQuantMSE
-from kvq_ref.eval.calib import capture, token_chunks
-from kvq_ref.eval.models import load_model
-from kvq_ref.eval.text import part
+from kvq_eval.calib import capture, token_chunks
+from kvq_eval.models import load_model
+from kvq_eval.text import part
 from kvq_ref.nova import NovaKV, Oscar
 
 FIG = Path("out/notebooks")

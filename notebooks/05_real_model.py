@@ -1,35 +1,25 @@
 # %% [markdown]
 # # 05 · Real-model evaluation on SmolLM2-135M
 #
-# The full grid is one command, `make eval`, which runs
-# `kvq-eval run --model smollm2 --methods default --ctx 1024,2048,4096,8192 --seeds 0,1 --calib-tokens 4096`
-# (the calibrated methods are fitted on 2 × 4096 tokens). Its JSON results are committed under
-# `results/eval/smollm2/`. This notebook reads them, then runs one short
-# live evaluation: perplexity against fp32 on 256 held-out tokens, and a needle at 1K tokens.
+# The grid is one command, `make eval` (`kvq-eval run ... --out results/eval_v2`, every method
+# with the same 16-bit band, `--band none` and `--band 64,256`, sampled needles at 1K/4K/8K and
+# perplexity windows of 1K and 8K tokens). Its JSON results are committed under
+# `results/eval_v2/smollm2/`. This notebook reads them (table with intervals, quality against
+# stored bits), then runs one short live evaluation.
 
 # %%
 from pathlib import Path
 
 import matplotlib.pyplot as plt  # noqa: F401  (in Jupyter: inline display of the figures below)
 
-from kvq_ref.eval.plot import figures, load_results, summary_table
+from kvq_eval.plot import figures, load_results, markdown_table
 
-RESULTS = Path("results/eval")
+RESULTS = Path("results/eval_v2")
 FIG = Path("out/notebooks")
 FIG.mkdir(parents=True, exist_ok=True)
 if (RESULTS / "smollm2").is_dir():
     res = load_results(RESULTS, "smollm2")
-    rows = summary_table(res)
-    contexts = sorted({c for r in rows for c in r["niah"]})
-    print(f"{'method':12s} {'bits':>6s} {'ppl':>8s} {'KL':>8s} {'top-1':>6s}  " +
-          " ".join(f"{c:>6d}" for c in contexts))
-    for r in rows:
-        bits = f"{r['bits_per_element']:.2f}" if r["bits_per_element"] else "16+"
-        ppl = f"{r['ppl']:.2f}" if r["ppl"] else "-"
-        kl = f"{r['kl']:.4f}" if r["kl"] is not None else "-"
-        top1 = f"{r['top1_agreement']:.3f}" if r["top1_agreement"] is not None else "-"
-        print(f"{r['method']:12s} {bits:>6s} {ppl:>8s} {kl:>8s} {top1:>6s}  " +
-              " ".join(f"{r['niah'].get(c, float('nan')):6.2f}" for c in contexts))
+    print(markdown_table(res))
     charts = figures(res, "smollm2")
     for name, fig in charts.items():
         fig.savefig(FIG / f"05_{name}.png", dpi=90)
@@ -38,30 +28,31 @@ else:
     print("no committed results yet: run `make eval`")
 
 # %% [markdown]
-# Quality against stored bits. The stored bits include each method's 16-bit band, which is why
-# they sit above the nominal rates at these short contexts.
+# Quality against the stored bits as the cache holds them (band and calibrated tables included),
+# with 95 % intervals: bootstrap over perplexity windows, Wilson for needle exact match.
 
 # %%
-charts.get("accuracy_vs_bits")
-
-# %% [markdown]
-# Needle accuracy against context length (mean over needle variants and depths).
-
-# %%
-charts.get("niah_vs_context")
+charts.get("quality_vs_bits")
 
 # %% [markdown]
 # ## One live run
-# The evaluator loads the float32 model from its cache. Each method quantizes K and V the
-# moment they are written, keeping the method's 16-bit band.
+# The evaluator loads the float32 model from its cache. Each method quantizes K and V the moment
+# they are written; the band (here none, then the first 16 and last 64 tokens in 16 bits) is a
+# run setting shared by every method.
 
 # %%
-from kvq_ref.eval.runner import Evaluator
+import math
+
+from kvq_eval.band import Band
+from kvq_eval.runner import Evaluator
 
 ev = Evaluator("smollm2", calibrate=False)
-for method in ("fp32", "tq_mse4", "tq_mse2", "kivi4"):
-    r = ev.lm(method, tokens=256, chunks=1)
-    print(f"{method:8s} perplexity {r['ppl']:7.3f} (fp32 {r['ppl_fp32']:.3f})  KL {r['kl']:.4f}  "
-          f"top-1 {r['top1_agreement']:.3f}")
-cell = ev.niah(["fp32", "tq_mse4", "tq_mse2"], 1024, "single", 0.5, 1)
-print("needle", cell["values"], {m: (x["score"], x["answer"].strip()[:20]) for m, x in cell["results"].items()})
+for method in ("tq_mse4", "tq_mse2"):
+    for band in (Band(0, 0), Band(16, 64)):
+        r = ev.ppl(method, band, tokens=256, windows=1)
+        w = r["windows"][0]
+        print(f"{method:8s} band {band.label:6s} stored bits {r['bits_per_element']:.2f}  "
+              f"Δppl {100 * math.expm1((w['nll_q'] - w['nll_f']) / w['n']):+.2f}%  KL {w['kl'] / w['n']:.4f}")
+cell = ev.niah(["fp32", "tq_mse4@none", "tq_mse2@none"], "single", 1024, 0.5, 1)
+print("needle", cell["values"], {e: (x["exact"], round(x["logprob"], 2), x["answer"].strip()[:20])
+                                 for e, x in cell["results"].items()})

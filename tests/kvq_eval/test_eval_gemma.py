@@ -1,4 +1,4 @@
-"""kvq_ref.eval on Gemma-3-270M: MQA, head_dim 256, sliding-window (512) and global layers.
+"""kvq_eval on Gemma-3-270M: MQA, head_dim 256, sliding-window (512) and global layers.
 
 The input is longer than the sliding window (about 700 tokens), so the sliding layers' mask is
 exercised by capture, simulation and the quantized cache alike. Marked ``model``; skipped with a
@@ -11,7 +11,7 @@ import importlib.util
 
 import pytest
 
-from kvq_ref.eval.methods import make_spec
+from kvq_eval.methods import make_spec
 
 pytestmark = pytest.mark.model
 
@@ -23,10 +23,10 @@ def gemma():
         pytest.skip("Gemma-3-270M wheels not installed (make venv installs them)")
     import torch
 
-    from kvq_ref.eval.calib import token_chunks
-    from kvq_ref.eval.hooks import register
-    from kvq_ref.eval.models import load_model
-    from kvq_ref.eval.text import part
+    from kvq_eval.calib import token_chunks
+    from kvq_eval.hooks import register
+    from kvq_eval.models import load_model
+    from kvq_eval.text import part
 
     torch.set_grad_enabled(False)
     model, tok, info = load_model("gemma3")
@@ -38,7 +38,7 @@ def gemma():
 
 
 def test_gemma_layout_and_capture_equals_stock(gemma):
-    from kvq_ref.eval.hooks import session
+    from kvq_eval.hooks import session
 
     model, tok, info, ids, ref = gemma
     windows = [getattr(layer.self_attn, "sliding_window", None) for layer in model.model.layers]
@@ -54,7 +54,7 @@ def test_gemma_layout_and_capture_equals_stock(gemma):
 
 
 def test_gemma_identity_simulation_matches_stock(gemma):
-    from kvq_ref.eval.hooks import session
+    from kvq_eval.hooks import session
 
     model, tok, info, ids, ref = gemma
     with session("simulate", make_spec("identity")):
@@ -67,7 +67,7 @@ def test_gemma_identity_simulation_matches_stock(gemma):
 def test_gemma_quantized_cache_generate_equals_plain(gemma):
     import torch
 
-    from kvq_ref.eval.hooks import QuantizedCache, cache_kwargs, session
+    from kvq_eval.hooks import QuantizedCache, cache_kwargs, session
 
     model, tok, info, ids, ref = gemma
     plain = model.generate(ids, max_new_tokens=5, do_sample=False)
@@ -82,7 +82,7 @@ def test_gemma_quantized_cache_generate_equals_plain(gemma):
 def test_gemma_method_is_finite_and_close(gemma, name):
     import torch
 
-    from kvq_ref.eval.hooks import session
+    from kvq_eval.hooks import session
 
     model, tok, info, ids, ref = gemma
     with session("simulate", make_spec(name)):

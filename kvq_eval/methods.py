@@ -29,13 +29,15 @@ from typing import Callable, ClassVar
 
 import numpy as np
 
-from ..common import Encoded, Quantizer, as_array
-from ..kivi import KIVI
-from ..polarquant import PolarQuant
-from ..qjl import QJL
-from ..quarot import QuaRot
-from ..turbo_block import TurboBlock
-from ..turboquant import TurboQuantMSE, TurboQuantProd, TurboQuantSplit
+from kvq_ref.common import Encoded, Quantizer, as_array
+from kvq_ref.kivi import KIVI
+from kvq_ref.polarquant import PolarQuant
+from kvq_ref.qjl import QJL
+from kvq_ref.quarot import QuaRot
+from kvq_ref.turbo_block import TurboBlock
+from kvq_ref.turboquant import TurboQuantMSE, TurboQuantProd, TurboQuantSplit
+
+from .keyopts import study_methods
 
 __all__ = ["MethodSpec", "Identity", "Blocked", "METHODS", "DEFAULT_METHODS", "make_spec", "method_info"]
 
@@ -174,7 +176,7 @@ def _turbo(fmt):
 
 
 def _nova(layer, head, role, d, tables):
-    from ..nova import NovaKV
+    from kvq_ref.nova import NovaKV
 
     if role == "key":
         return NovaKV(tables.model.head(layer, head), role, gain_dtype="float16")
@@ -182,7 +184,7 @@ def _nova(layer, head, role, d, tables):
 
 
 def _oscar(layer, head, role, d, tables):
-    from ..nova import Oscar
+    from kvq_ref.nova import Oscar
 
     return Oscar(tables.model.head(layer, head), role, clip_mode="quantile", rule="uniform", rows="float64")
 
@@ -229,6 +231,8 @@ METHODS: dict[str, dict] = {
     "oscar_official": dict(make=_oscar_official, sink=64, window=256, nominal_bits=2.5, calibrated=True),
     "nova": dict(make=_nova, sink=64, window=256, nominal_bits=2.22, calibrated=True),
 }
+
+METHODS.update(study_methods(METHODS, _seed))  # key-error study: <base>-mc, tq_k4v2, ... (keyopts)
 
 #: The issue's comparison set (the fp32 baseline is run as "fp32", without quantization).
 DEFAULT_METHODS = ("tq_mse2", "tq_mse3", "tq_mse4", "tq_prod3", "tq_prod4", "tq_split2.5", "tq_split3.5",

@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from ..common import Encoded, Quantizer
+from kvq_ref.common import Encoded, Quantizer
+
+from .band import band_mask, n_encoded, token_group
 from .methods import MethodSpec
 
 __all__ = ["Session", "session", "register", "QuantizedCache", "ATTN_IMPLEMENTATION", "cache_kwargs",
@@ -39,7 +40,7 @@ __all__ = ["Session", "session", "register", "QuantizedCache", "ATTN_IMPLEMENTAT
 
 ATTN_IMPLEMENTATION = "kvq"
 _ACTIVE: list["Session"] = []
-CHUNK = 32  # tokens leave the 16-bit window in chunks of 32 (KIVI/QJL token groups align with it)
+QUERY_BLOCK = 1024  # query positions per block in simulate mode (bounds memory at long contexts)
 
 
 @dataclass
@@ -92,32 +93,40 @@ def _fp16(x: np.ndarray) -> np.ndarray:
 
 
 def _simulate(module, query, key, value, scaling, spec: MethodSpec):
-    """Streaming-quantized attention for a full sequence (batch 1, no cache)."""
+    """Streaming-quantized attention for a full sequence (batch 1, no cache).
+
+    Queries are processed in blocks of ``QUERY_BLOCK`` positions so that an 8K-token window needs
+    (g * block, T) score arrays, not (g * T, T).
+    """
     q = query[0].double().numpy()  # (H, T, d)
     k = key[0].double().numpy()  # (Hkv, T, d)
     v = value[0].double().numpy()
     hq, t, d = q.shape
     g = hq // k.shape[0]
     pos = np.arange(t)
-    allowed = _allowed(pos, pos, _window_of(module))
-    band = (pos[None, :] < spec.sink) | (pos[:, None] - pos[None, :] < spec.window)
+    sliding = _window_of(module)
     out = np.empty((hq, t, d))
     layer = module.layer_idx
     for h in range(k.shape[0]):
         km, vm = spec.key(layer, h, d), spec.value(layer, h, d)
-        qg = q[h * g:(h + 1) * g].reshape(-1, d)
-        exact = qg @ _fp16(k[h]).T
-        quant = km.scores(km.prepare_query(qg), km.encode(k[h])) if km is not None else exact
-        z = np.where(np.tile(band, (g, 1)), exact, quant) * scaling
-        z = np.where(np.tile(allowed, (g, 1)), z, -np.inf)
-        p = _softmax(z)
-        pb = np.where(np.tile(band, (g, 1)), p, 0.0)
-        o = pb @ _fp16(v[h])
-        if vm is not None:
-            o = o + vm.accumulate(p - pb, vm.encode(v[h]))
-        else:
-            o = o + (p - pb) @ _fp16(v[h])
-        out[h * g:(h + 1) * g] = o.reshape(g, t, d)
+        group = max(token_group(km), token_group(vm))
+        kh, vh = _fp16(k[h]), _fp16(v[h])
+        enc_k = km.encode(k[h]) if km is not None else None
+        enc_v = vm.encode(v[h]) if vm is not None else None
+        for lo in range(0, t, QUERY_BLOCK):
+            hi = min(t, lo + QUERY_BLOCK)
+            qp = pos[lo:hi]
+            band = np.tile(band_mask(qp, pos, spec.sink, spec.window, group), (g, 1))
+            allowed = np.tile(_allowed(qp, pos, sliding), (g, 1))
+            qg = q[h * g:(h + 1) * g, lo:hi].reshape(-1, d)
+            exact = qg @ kh.T
+            quant = km.scores(km.prepare_query(qg), enc_k) if km is not None else exact
+            z = np.where(band, exact, quant) * scaling
+            p = _softmax(np.where(allowed, z, -np.inf))
+            pb = np.where(band, p, 0.0)
+            o = pb @ vh
+            o = o + (vm.accumulate(p - pb, enc_v) if vm is not None else (p - pb) @ vh)
+            out[h * g:(h + 1) * g, lo:hi] = o.reshape(g, hi - lo, d)
     return torch.from_numpy(out).to(query.dtype).transpose(0, 1).unsqueeze(0), None
 
 
@@ -217,12 +226,11 @@ class _Store:
             self.sink_v[h] = np.concatenate([self.sink_v[h], _fp16(vv[:take])])
             self.win_k[h] = np.concatenate([self.win_k[h], kk[take:]])
             self.win_v[h] = np.concatenate([self.win_v[h], vv[take:]])
-            excess = self.win_k[h].shape[0] - spec.window
-            n_out = (excess // CHUNK) * CHUNK if excess >= CHUNK else 0
             km, vm = spec.key(self.layer, h, self.d), spec.value(self.layer, h, self.d)
+            # the band rule shared with simulate mode (kvq_eval.band): whole token groups leave
+            n_out = n_encoded(self.win_k[h].shape[0], 0, spec.window, max(token_group(km), token_group(vm)))
             if n_out:
-                # one call for all whole chunks: token groups of 32 align with the chunks, so this is
-                # what encoding chunk by chunk and concatenating gives
+                # one call for all whole groups: what encoding group by group and concatenating gives
                 old_k, old_v = self.win_k[h][:n_out], self.win_v[h][:n_out]
                 self.win_k[h], self.win_v[h] = self.win_k[h][n_out:], self.win_v[h][n_out:]
                 new_k, new_v = km.encode(old_k), vm.encode(old_v)
@@ -253,7 +261,7 @@ class QuantizedCache(_make_cache_base()):
 
     ``update`` stores the new full-precision states (so stock attention still works) and writes
     them to the layer's store, where tokens leaving the method's 16-bit window are encoded in
-    chunks of 32. Inside ``session(mode="cache", ...)`` the ``kvq`` attention reads the store, so
+    whole token groups (``kvq_eval.band``). Inside ``session(mode="cache", ...)`` the ``kvq`` attention reads the store, so
     ``model.generate(..., **cache_kwargs(model, QuantizedCache(spec)))`` decodes over the quantized
     cache.
 

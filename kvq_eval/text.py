@@ -4,7 +4,8 @@ The fixture (``data/kjv_genesis_exodus.txt``, ~71k words, ~100k SmolLM2 tokens) 
 Version text as printed by Debian's ``bible-kjv`` package, one chapter per paragraph, verse
 numbers removed. It is split by words into three disjoint parts so that calibration never sees the
 evaluation text: ``calibration`` (first 30 %), ``evaluation`` (next 30 %) and ``haystack`` (the
-rest, filler for needle-in-a-haystack prompts). ``bible_text()`` returns the whole KJV when the
+rest, filler for needle-in-a-haystack prompts). ``heldout`` is everything after the calibration
+part (~61k SmolLM2 tokens): perplexity windows of 8K tokens need more than ``evaluation`` holds. ``bible_text()`` returns the whole KJV when the
 ``bible`` command is installed (``make eval-deps`` installs it) for longer haystacks.
 """
 
@@ -18,7 +19,7 @@ from pathlib import Path
 __all__ = ["FIXTURE", "fixture_text", "part", "bible_text", "PARTS"]
 
 FIXTURE = Path(__file__).parent / "data" / "kjv_genesis_exodus.txt"
-PARTS = {"calibration": (0.0, 0.3), "evaluation": (0.3, 0.6), "haystack": (0.6, 1.0)}
+PARTS = {"calibration": (0.0, 0.3), "evaluation": (0.3, 0.6), "haystack": (0.6, 1.0), "heldout": (0.3, 1.0)}
 
 
 @lru_cache(maxsize=1)

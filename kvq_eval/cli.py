@@ -1,0 +1,229 @@
+"""``kvq-eval``: run the real-model evaluation grid, plot it, capture Q/K/V for calibration.
+
+Examples
+--------
+kvq-eval run --model smollm2 --methods tq_mse4,nova --ctx 1024,4096,8192 --band none --band 64,256
+kvq-eval plot results/eval_v2 --model smollm2 -o results/eval_v2/smollm2
+kvq-eval table results/eval_v2 --model smollm2
+kvq-eval compare results/eval_v2 tq_mse4@none fp32
+kvq-eval capture --model smollm2 --tokens 1024 --sequences 2 --out qkv.safetensors
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import signal
+import sys
+import time
+from pathlib import Path
+
+from codebooks.build import parse_float_list, parse_int_list
+
+from .methods import DEFAULT_METHODS, method_info
+
+
+def _methods(text: str) -> list[str]:
+    if text in ("all", "default"):
+        return list(DEFAULT_METHODS)
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    for m in names:
+        if m != "fp32":
+            try:
+                method_info(m)
+            except ValueError as exc:
+                raise ValueError(f"--methods: {exc}") from None
+    return names
+
+
+def _entries(text: str | None):
+    if text is None:
+        return None
+    from .runner import parse_entry
+
+    names = [e.strip() for e in text.split(";") if e.strip()]
+    for e in names:
+        try:
+            parse_entry(e)
+        except ValueError as exc:
+            raise ValueError(f"--entries: {exc}") from None
+    return names
+
+
+def _windows(text: str) -> list[tuple[int, int]]:
+    """``1024x8,8192x4`` -> [(1024, 8), (8192, 4)]."""
+    out = []
+    for item in text.split(","):
+        t, sep, n = item.strip().partition("x")
+        if not sep or not t.isdigit() or not n.isdigit() or int(t) < 16 or int(n) < 1:
+            raise ValueError(f"--ppl-windows: expected TOKENSxCOUNT items (e.g. 1024x8,8192x4), got {item!r}")
+        out.append((int(t), int(n)))
+    return out
+
+
+def _decode(text: str) -> tuple[int, int, int]:
+    parts = text.split(",")
+    if len(parts) != 3 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"--decode: expected PREFIX,NEW,WINDOWS (positive integers), got {text!r}")
+    return tuple(int(p) for p in parts)
+
+
+def _cmd_run(args) -> int:
+    from .band import parse_band
+    from .runner import run_grid
+
+    bands = args.band or ["none"]
+    for b in bands:
+        parse_band(b)
+    t0 = time.perf_counter()
+    summary: dict = {}
+    interrupted = None
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        run_grid(args.model, _methods(args.methods), args.out,
+                 contexts=parse_int_list(args.ctx, "--ctx"),
+                 tasks=[t.strip() for t in args.tasks.split(",")],
+                 variants=[v.strip() for v in args.variants.split(",")],
+                 depths=parse_float_list(args.depths, "--depths"), samples=args.samples, bands=bands,
+                 prefill=[p.strip() for p in args.prefill.split(",")],
+                 ppl_windows=_windows(args.ppl_windows), decode=_decode(args.decode),
+                 calib_tokens=args.calib_tokens, ray=args.ray, num_gpus=args.ray_gpus, summary=summary)
+    except KeyboardInterrupt as exc:
+        interrupted = str(exc) or "SIGINT"
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    wall = time.perf_counter() - t0
+    if summary:  # the grid was planned: log the command, also when it was stopped part-way
+        log = Path(args.out) / args.model / "runs.jsonl"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        entry = {"command": shlex.join(["kvq-eval", *args.argv]), "wall_seconds": round(wall, 1), **summary}
+        if interrupted:
+            entry["interrupted"] = interrupted
+        with log.open("a") as f:
+            f.write(json.dumps(entry) + "\n")
+    print(f"{summary.get('ran', 0)} cell(s) run, {summary.get('done_before', 0)} already done, of "
+          f"{summary.get('cells', 0)}; {wall:.0f} s" + (f" (interrupted: {interrupted})" if interrupted else ""))
+    return 130 if interrupted else 0
+
+
+def _cmd_plot(args) -> int:
+    from .plot import plot_results
+
+    paths = plot_results(args.results, args.model, args.output, _entries(args.entries))
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+def _cmd_table(args) -> int:
+    from .plot import layers_table, load_results, markdown_table, position_table
+
+    res = load_results(args.results, args.model, _entries(args.entries))
+    if args.positions is not None:
+        print(position_table(res, args.positions))
+    elif args.layers:
+        print(layers_table(res))
+    else:
+        print(markdown_table(res, args.variant))
+    return 0
+
+
+def _cmd_compare(args) -> int:
+    from .plot import comparison_table, load_results, paired_comparison
+
+    cells = [c for c in load_results(args.results, args.model)["niah"]
+             if args.variant is None or c["variant"] == args.variant]
+    print(comparison_table(paired_comparison(cells, args.a, args.b), args.a, args.b))
+    return 0
+
+
+def _cmd_capture(args) -> int:
+    for name in ("tokens", "sequences"):
+        v = getattr(args, name)
+        if v < 1:
+            raise ValueError(f"--{name} must be a positive integer, got {v}")
+    from .calib import capture, save_qkv, token_chunks
+    from .models import load_model
+    from .text import part
+
+    model, tok, _ = load_model(args.model)
+    seqs = [capture(model, ids) for ids in token_chunks(tok, part(args.part), args.tokens, args.sequences)]
+    print(f"wrote {save_qkv(seqs, args.out)}")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvq-eval", description="Evaluate KV-cache quantizers on real models.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="run (or resume) the evaluation grid")
+    r.add_argument("--model", default="smollm2", choices=["smollm2", "gemma3"])
+    r.add_argument("--methods", default="default",
+                   help="comma list, or 'default' for every method; <method>:keys (or :values) applies "
+                   "a method to the keys only (values only), the other half stored exactly")
+    r.add_argument("--ctx", default="1024", help="needle contexts in tokens, e.g. 1024,4096,8192")
+    r.add_argument("--tasks", default="ppl,niah", help="comma list of ppl, niah, decode, layers")
+    r.add_argument("--variants", default="single,multiquery")
+    r.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9")
+    r.add_argument("--samples", type=int, default=6, help="needle samples per (variant, context, depth)")
+    r.add_argument("--band", action="append", default=None,
+                   help="16-bit band applied to every method: none, S,W (sink S, recent window W) or own "
+                   "(each method's built-in band); repeat for several (default: none)")
+    r.add_argument("--prefill", default="exact", help="needle/decode prefill modes: exact, quantized (comma list)")
+    r.add_argument("--ppl-windows", default="1024x8", help="perplexity windows TOKENSxCOUNT, e.g. 1024x8,8192x4")
+    r.add_argument("--decode", default="1024,512,1", help="long decode: PREFIX,NEW,WINDOWS tokens")
+    r.add_argument("--calib-tokens", type=int, default=1024,
+                   help="length of each of the 2 calibration sequences (calibrated methods)")
+    r.add_argument("--out", default="results/eval_v2")
+    r.add_argument("--ray", default=None, help="run cells as Ray tasks: auto, ADDRESS, or local")
+    r.add_argument("--ray-gpus", type=float, default=0.0, help="GPUs per Ray task")
+    r.set_defaults(func=_cmd_run)
+    q = sub.add_parser("plot", help="quality-vs-stored-bits chart from the JSON")
+    q.add_argument("results", help="results folder (the --out of run)")
+    q.add_argument("--model", default="smollm2")
+    q.add_argument("-o", "--output", required=True, help="output prefix for the PNG files")
+    q.add_argument("--entries", default=None, help="only these entries (';' list, e.g. 'fp32;tq_mse4@none')")
+    q.set_defaults(func=_cmd_plot)
+    t = sub.add_parser("table", help="the summary table (Markdown, with intervals) from the JSON")
+    t.add_argument("results", help="results folder (the --out of run)")
+    t.add_argument("--model", default="smollm2")
+    t.add_argument("--entries", default=None, help="only these entries (';' list, e.g. 'fp32;tq_mse4@none')")
+    t.add_argument("--variant", default=None, help="needle variant only (single or multiquery)")
+    t.add_argument("--positions", type=int, default=None, metavar="TOKENS",
+                   help="instead: the NLL change per position bin of the TOKENS-token perplexity windows")
+    t.add_argument("--layers", action="store_true", help="instead: per-layer attention error (layers cells)")
+    t.set_defaults(func=_cmd_table)
+    k = sub.add_parser("compare", help="two entries on their shared needle samples: McNemar's exact test "
+                       "on exact match, paired bootstrap on log-probability (Markdown)")
+    k.add_argument("results", help="results folder (the --out of run)")
+    k.add_argument("a", help="entry, e.g. tq_mse4@none")
+    k.add_argument("b", help="entry to compare against, e.g. fp32")
+    k.add_argument("--model", default="smollm2")
+    k.add_argument("--variant", default=None, help="needle variant only (single or multiquery)")
+    k.set_defaults(func=_cmd_compare)
+    c = sub.add_parser("capture", help="exact post-RoPE Q/K/V for kvq-codebooks calibrate")
+    c.add_argument("--model", default="smollm2", choices=["smollm2", "gemma3"])
+    c.add_argument("--tokens", type=int, default=1024)
+    c.add_argument("--sequences", type=int, default=2)
+    c.add_argument("--part", default="calibration", choices=["calibration", "evaluation", "haystack"])
+    c.add_argument("--out", required=True)
+    c.set_defaults(func=_cmd_capture)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point."""
+    args = _parser().parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)  # what runs.jsonl records
+    try:
+        return args.func(args)
+    except (ValueError, TypeError, FileNotFoundError) as exc:
+        print(f"kvq-eval {args.cmd}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

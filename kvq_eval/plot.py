@@ -1,0 +1,303 @@
+"""Tables, paired comparisons and charts of the evaluation, drawn only from its JSON results.
+
+Every mean comes with its interval: needle exact match with a Wilson interval, log-probability
+and perplexity changes with bootstrap intervals (fixed seed, ``kvq_eval.stats``). Needle entries
+are compared with fp32 (and with each other) on the samples that hold both.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+from .stats import bootstrap_mean_ci, mcnemar_exact, paired_bootstrap, wilson_interval
+
+__all__ = ["load_results", "ppl_summary", "niah_summary", "paired_comparison", "comparison_table",
+           "markdown_table", "position_table", "layers_table", "figures", "plot_results"]
+
+_REQUIRED = {"ppl": ("entry", "tokens", "windows", "bits_per_element", "band"),
+             "niah": ("variant", "context", "sample", "results"),
+             "decode": ("entry", "windows", "prefix", "new_tokens"),
+             "layers": ("entry", "attn_rel_err", "logit_mse", "bits_per_element")}
+
+
+def _load(path: Path, task: str) -> dict:
+    try:
+        row = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not a readable result file ({exc})") from None
+    if not isinstance(row, dict):
+        raise ValueError(f"{path}: a result file holds a JSON object, got {type(row).__name__}")
+    missing = [k for k in _REQUIRED[task] if k not in row]
+    if missing:
+        raise ValueError(f"{path}: not a kvq-eval {task} result (missing {', '.join(missing)}); "
+                         f"delete it or recompute it with kvq-eval run")
+    return row
+
+
+def load_results(folder, model: str, entries=None) -> dict:
+    """``{"ppl": {entry: {tokens: row}}, "niah": [cell], "decode": {entry: row}, "layers": {entry: row}}``.
+
+    ``entries`` (optional) keeps only those entries (``fp32``, ``<method>@<band>[+qprefill]``).
+    Raises ``FileNotFoundError`` when the folder has no results of ``model`` and ``ValueError``
+    naming the file for anything that is not a result of this protocol (v1 folders included).
+    """
+    root = Path(folder) / model
+    if not root.is_dir():
+        raise FileNotFoundError(f"no results for {model!r} in {folder}")
+    if (root / "lm").is_dir():
+        raise ValueError(f"{root / 'lm'}: results of the v1 protocol (before issue 15); this kvq-eval reads "
+                         f"ppl/, niah/, decode/, layers/ folders (tables of v1 results: kvq-eval at 04860e8)")
+    keep = None if entries is None else set(entries)
+    out = {"ppl": {}, "niah": [], "decode": {}, "layers": {}}
+    for f in sorted((root / "ppl").glob("*.json")):
+        row = _load(f, "ppl")
+        if keep is None or row["entry"] in keep:
+            out["ppl"].setdefault(row["entry"], {})[int(row["tokens"])] = row
+    for task in ("decode", "layers"):
+        for f in sorted((root / task).glob("*.json")):
+            row = _load(f, task)
+            if keep is None or row["entry"] in keep:
+                out[task][row["entry"]] = row
+    for f in sorted((root / "niah").glob("*.json")):
+        cell = _load(f, "niah")
+        if keep is not None:
+            cell["results"] = {e: r for e, r in cell["results"].items() if e in keep}
+        if cell["results"]:
+            out["niah"].append(cell)
+    return out
+
+
+def _dppl(windows: list[dict]) -> dict:
+    """Perplexity change against fp32 with a bootstrap interval over windows (per-window mean
+    NLL change per token, resampled, then ``100 (exp(.) - 1)``)."""
+    d = np.array([(w["nll_q"] - w["nll_f"]) / w["n"] for w in windows])
+    n = sum(w["n"] for w in windows)
+    lo, hi = bootstrap_mean_ci(d)
+    pct = lambda x: 100.0 * math.expm1(x)  # noqa: E731
+    return {"windows": len(windows), "dppl": pct(float(d.mean())), "ci": (pct(lo), pct(hi)),
+            "ppl": math.exp(sum(w["nll_q"] for w in windows) / n),
+            "ppl_fp32": math.exp(sum(w["nll_f"] for w in windows) / n),
+            "kl": sum(w["kl"] for w in windows) / n, "top1": sum(w["top1"] for w in windows) / n}
+
+
+def ppl_summary(res: dict) -> dict:
+    """{entry: {tokens: {"dppl", "ci", "ppl", "ppl_fp32", "kl", "top1", "windows", "bits",
+    "band_pairs"}}}."""
+    out = {}
+    for entry, by_t in res["ppl"].items():
+        for t, row in by_t.items():
+            out.setdefault(entry, {})[t] = {**_dppl(row["windows"]), "bits": row["bits_per_element"],
+                                            "band_pairs": row["band_pairs"]}
+    return out
+
+
+def niah_summary(cells: list[dict]) -> dict:
+    """{entry: {context: {"n", "exact", "ci", "dlogprob", "dlogprob_ci", "bits"}}}: exact match with
+    its Wilson interval, and the log-probability change against fp32 with a paired bootstrap
+    interval, over the samples holding both the entry and fp32."""
+    by: dict = {}
+    for cell in cells:
+        r = cell["results"]
+        for e, x in r.items():
+            d = by.setdefault(e, {}).setdefault(cell["context"], {"exact": [], "dlp": [], "bits": []})
+            d["exact"].append(int(x["exact"]))
+            d["bits"].append(x.get("bits_per_element", 32.0))
+            if "fp32" in r and e != "fp32":
+                d["dlp"].append((x["logprob"], r["fp32"]["logprob"]))
+    out = {}
+    for e, ctxs in by.items():
+        for c, d in sorted(ctxs.items()):
+            n, k = len(d["exact"]), sum(d["exact"])
+            row = {"n": n, "exact": k / n, "ci": wilson_interval(k, n), "bits": float(np.mean(d["bits"]))}
+            if d["dlp"]:
+                a, b = np.array(d["dlp"]).T
+                pb = paired_bootstrap(a, b)
+                row.update(dlogprob=pb["mean_diff"], dlogprob_ci=pb["ci"], paired=pb["n"])
+            out.setdefault(e, {})[c] = row
+    return out
+
+
+def paired_comparison(cells: list[dict], a: str, b: str) -> dict:
+    """Entry ``a`` against entry ``b`` on the needle samples holding both, per context.
+
+    Returns
+    -------
+    dict
+        ``{context: {"n", "a_only", "b_only", "both", "neither", "p_mcnemar", "dlogprob", "ci", "p_bootstrap"}}``:
+        McNemar's exact test on exact match and a paired bootstrap of the log-probability
+        difference ``a - b`` (``kvq_eval.stats``).
+    """
+    if not isinstance(a, str) or not isinstance(b, str):
+        raise TypeError("entries a and b must be str")
+    if a == b:
+        raise ValueError(f"entries a and b must differ, got {a!r} twice")
+    seen = set().union(*(cell["results"] for cell in cells)) if cells else set()
+    for name, m in (("a", a), ("b", b)):
+        if m not in seen:
+            raise ValueError(f"entry {name}={m!r} has no needle sample; present: {sorted(seen)}")
+    pairs: dict = {}
+    for cell in cells:
+        r = cell["results"]
+        if a in r and b in r:
+            pairs.setdefault(cell["context"], []).append((r[a]["exact"], r[b]["exact"], r[a]["logprob"],
+                                                          r[b]["logprob"]))
+    if not pairs:
+        raise ValueError(f"no needle sample holds both {a!r} and {b!r}; run them on the same cells")
+    out = {}
+    for ctx, rows in sorted(pairs.items()):
+        ea, eb, la, lb = (np.array(x) for x in zip(*rows))
+        mc = mcnemar_exact(ea, eb)
+        pb = paired_bootstrap(la, lb)
+        out[ctx] = {"n": mc["n"], "a_only": mc["a_only"], "b_only": mc["b_only"], "both": mc["both"],
+                    "neither": mc["neither"], "p_mcnemar": mc["p"], "dlogprob": pb["mean_diff"], "ci": pb["ci"],
+                    "p_bootstrap": pb["p"]}
+    return out
+
+
+def comparison_table(cmp: dict, a: str, b: str) -> str:
+    """``paired_comparison`` as a Markdown table, one row per context."""
+    head = ["context", "samples", f"only {a} exact", f"only {b} exact", "both", "neither", "McNemar p",
+            f"Δ log-prob {a} − {b} [95% CI]", "bootstrap p"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for ctx, r in cmp.items():
+        lines.append(f"| {ctx} | {r['n']} | {r['a_only']} | {r['b_only']} | {r['both']} | {r['neither']} | "
+                     f"{r['p_mcnemar']:.3g} | {r['dlogprob']:+.2f} [{r['ci'][0]:+.2f}, {r['ci'][1]:+.2f}] | "
+                     f"{r['p_bootstrap']:.3g} |")
+    return "\n".join(lines)
+
+
+def _ctx(c: int) -> str:
+    return f"{c // 1024}K" if c % 1024 == 0 else str(c)
+
+
+def markdown_table(res: dict, variant: str | None = None) -> str:
+    """One row per entry (fp32 first, then by stored bits): perplexity change per window length with
+    its bootstrap interval and pair-weighted stored bits; per needle context the stored bits of the
+    decoding cache (mean over samples), exact match with its Wilson interval and the
+    log-probability change against fp32 (``variant`` restricts the needle samples to one variant)."""
+    pp = ppl_summary(res)
+    cells = [c for c in res["niah"] if variant is None or c["variant"] == variant]
+    nh = niah_summary(cells)
+    lengths = sorted({t for by in pp.values() for t in by})
+    contexts = sorted({c for by in nh.values() for c in by})
+    head = ["entry"]
+    for t in lengths:
+        head += [f"bits @{_ctx(t)}", f"Δppl {_ctx(t)} [95% CI] (windows)", f"KL {_ctx(t)}"]
+    for c in contexts:
+        head += [f"cache bits {_ctx(c)}", f"exact {_ctx(c)} [95% CI] (n)", f"Δlog-prob {_ctx(c)} [95% CI]"]
+    entries = sorted(set(pp) | set(nh), key=lambda e: (e != "fp32", _bits_key(e, pp, nh), e))
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for e in entries:
+        row = [e]
+        for t in lengths:
+            p = pp.get(e, {}).get(t)
+            row += (["–"] * 3 if p is None else
+                    [f"{p['bits']:.2f}", f"{p['dppl']:+.2f}% [{p['ci'][0]:+.2f}, {p['ci'][1]:+.2f}] ({p['windows']})",
+                     f"{p['kl']:.4f}"])
+        for c in contexts:
+            x = nh.get(e, {}).get(c)
+            if x is None:
+                row += ["–", "–", "–"]
+                continue
+            row.append(f"{x['bits']:.2f}")
+            row.append(f"{x['exact']:.2f} [{x['ci'][0]:.2f}, {x['ci'][1]:.2f}] ({x['n']})")
+            row.append("–" if "dlogprob" not in x else
+                       f"{x['dlogprob']:+.2f} [{x['dlogprob_ci'][0]:+.2f}, {x['dlogprob_ci'][1]:+.2f}]")
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def _bits_key(e, pp, nh) -> float:
+    for source in (pp.get(e, {}), nh.get(e, {})):
+        for _, x in sorted(source.items()):
+            return x["bits"]
+    return math.inf
+
+
+def figures(res: dict, model: str) -> dict:
+    """``{"quality_vs_bits": Figure}``: perplexity change (per window length) and needle exact match
+    (per context) against the stored bits as the cache holds them, with interval bars."""
+    from matplotlib.figure import Figure
+
+    pp = ppl_summary(res)
+    nh = niah_summary(res["niah"])
+    fig = Figure(figsize=(12, 4.5))
+    ax1, ax2 = fig.subplots(1, 2)
+    for t in sorted({t for by in pp.values() for t in by}):
+        pts = [(e, by[t]) for e, by in sorted(pp.items()) if t in by]
+        x = [p["bits"] for _, p in pts]
+        y = [p["dppl"] for _, p in pts]
+        err = np.array([[p["dppl"] - p["ci"][0], p["ci"][1] - p["dppl"]] for _, p in pts]).T
+        ax1.errorbar(x, y, yerr=err, fmt="o", ms=4, capsize=2, label=f"{_ctx(t)} windows")
+        for (e, _), xi, yi in zip(pts, x, y):
+            ax1.annotate(e, (xi, yi), fontsize=6, xytext=(3, 3), textcoords="offset points")
+    ax1.set_yscale("symlog", linthresh=1.0)
+    ax1.set_xlabel("stored bits per element (band and tables included, pair-weighted)")
+    ax1.set_ylabel("perplexity change vs fp32 (%)")
+    ax1.grid(True, alpha=0.3)
+    if pp:
+        ax1.legend(fontsize=8)
+    for c in sorted({c for by in nh.values() for c in by}):
+        pts = [(e, by[c]) for e, by in sorted(nh.items()) if c in by and e != "fp32"]
+        x = [p["bits"] for _, p in pts]
+        y = [p["exact"] for _, p in pts]
+        err = np.array([[p["exact"] - p["ci"][0], p["ci"][1] - p["exact"]] for _, p in pts]).T
+        if pts:
+            ax2.errorbar(x, y, yerr=err, fmt="o", ms=4, capsize=2, label=f"{_ctx(c)} (n={pts[0][1]['n']})")
+        fp = nh.get("fp32", {}).get(c)
+        if fp:
+            ax2.axhline(fp["exact"], lw=0.8, ls="--", color="gray")
+    ax2.set_xlabel("stored bits per element of the needle cache")
+    ax2.set_ylabel("needle exact match (Wilson 95% CI); dashed: fp32")
+    ax2.set_ylim(-0.05, 1.05)
+    ax2.grid(True, alpha=0.3)
+    if nh:
+        ax2.legend(fontsize=8)
+    fig.suptitle(f"{model}: quality vs stored bits")
+    fig.tight_layout()
+    return {"quality_vs_bits": fig}
+
+
+def plot_results(folder, model: str, prefix, entries=None) -> list[Path]:
+    """Write ``PREFIX_quality_vs_bits.png`` (``figures``; ``entries`` as in ``load_results``)."""
+    prefix = Path(prefix)
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, fig in figures(load_results(folder, model, entries), model).items():
+        path = Path(f"{prefix}_{name}.png")
+        fig.savefig(path, dpi=110, metadata={"Software": None})
+        paths.append(path)
+    return paths
+
+
+def position_table(res: dict, tokens: int) -> str:
+    """Where in a ``tokens``-token perplexity window the loss sits: per entry, the mean NLL change
+    against fp32 (nats per token) in each of the position bins the cells store, over windows."""
+    rows = {e: by[tokens] for e, by in res["ppl"].items() if tokens in by}
+    if not rows:
+        raise ValueError(f"no perplexity cell with {tokens}-token windows; present: "
+                         f"{sorted({t for by in res['ppl'].values() for t in by})}")
+    bins = len(next(iter(rows.values()))["windows"][0]["dnll_bins"])
+    edges = [round(tokens * i / bins) for i in range(bins + 1)]
+    head = ["entry"] + [f"{edges[i]}–{edges[i + 1]}" for i in range(bins)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for e, row in sorted(rows.items()):
+        mean = np.mean([w["dnll_bins"] for w in row["windows"]], axis=0)
+        lines.append("| " + " | ".join([e] + [f"{x:+.3f}" for x in mean]) + " |")
+    return "\n".join(lines)
+
+
+def layers_table(res: dict) -> str:
+    """Per-layer attention-output relative error (``layers`` cells), one row per entry."""
+    if not res["layers"]:
+        raise ValueError("no layers cells (run kvq-eval run --tasks layers)")
+    n = max(len(r["attn_rel_err"]) for r in res["layers"].values())
+    head = ["entry"] + [f"L{i}" for i in range(n)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for e, r in sorted(res["layers"].items()):
+        lines.append("| " + " | ".join([e] + [f"{x:.3f}" for x in r["attn_rel_err"]]) + " |")
+    return "\n".join(lines)

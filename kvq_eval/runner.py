@@ -1,0 +1,530 @@
+"""Evaluation tasks and the resumable grid runner (one JSON file per cell), serial or on Ray.
+
+Tasks
+-----
+``ppl``
+    Teacher-forced next-token prediction on held-out text (the fixture after its calibration part):
+    per window of ``T`` tokens the summed NLL of the quantized and the fp32 model, KL(fp32 || quant),
+    top-1 agreement and the NLL change per position bin, with the streaming semantics of ``hooks``
+    (each position reads older tokens through the method, the band per ``kvq_eval.band``). Windows
+    are stored one by one so that tables bootstrap over them (``kvq_eval.stats``).
+``niah``
+    One needle sample (``niah``) per cell file, one entry per (method, band, prefill mode): exact
+    match of the greedy answer and the teacher-forced log-probability of the reference answer.
+    ``prefill="exact"`` prefills the document once in full precision (shared by every entry) and
+    quantizes it into the cache; ``prefill="quantized"`` prefills it with streaming-quantized
+    attention (per entry), so the cached keys and values of later layers carry the error too.
+``decode``
+    A long decode: a held-out prefix is prefilled (exact or quantized), then ``new_tokens`` tokens
+    of the continuation are fed one at a time over the quantized cache, each written to it (and
+    quantized once it leaves the band) as it comes: NLL, KL and top-1 against fp32 per token.
+``layers``
+    Per layer, from exactly captured Q/K/V of one window: attention-output relative error and logit
+    MSE of the method's cache (band included) for the last 64 query positions.
+
+Results go to ``OUT/<model>/<task>/<cell>.json``. A run computes only what is missing; a needle
+cell gains the entries a later run adds (same sample: its keys, values and prompt length must
+match). Calibrated methods record ``calib_tokens``; an entry made with another length is
+recomputed. Every entry records its band, stored bits (``kvq_eval.accounting``) and wall time.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from kvq_ref.attention import QuantizedKV, attention_prefill, exact_attention, logit_mse, relative_error
+
+from .accounting import cache_bits, pair_weighted_bits, spec_rates
+from .band import Band, parse_band
+from .calib import capture, calibration_tables, token_chunks
+from .hooks import QuantizedCache, cache_kwargs, register, session
+from .methods import make_spec, method_info
+from .models import load_model
+from .niah import VARIANTS, exact_match, make_sample
+from .text import part
+
+__all__ = ["Evaluator", "run_grid", "entry_id", "parse_entry", "POSITION_BINS", "PREFILL_MODES"]
+
+POSITION_BINS = 16
+PREFILL_MODES = ("exact", "quantized")
+TASKS = ("ppl", "niah", "decode", "layers")
+
+
+def entry_id(method: str, band: Band | None, prefill: str = "exact") -> str:
+    """``fp32``, or ``<method>@<band>`` (``none``, ``S,W`` or ``own``), ``+qprefill`` when the
+    prefill was quantized: the name of a needle/decode entry in tables and ``kvq-eval compare``."""
+    if method == "fp32":
+        return "fp32"
+    out = f"{method}@{'own' if band is None else band.label}"
+    return out + ("+qprefill" if prefill == "quantized" else "")
+
+
+def parse_entry(name: str) -> tuple[str, Band | None, str]:
+    """Inverse of ``entry_id``."""
+    if name == "fp32":
+        return "fp32", Band(), "exact"
+    prefill = "quantized" if name.endswith("+qprefill") else "exact"
+    base = name[: -len("+qprefill")] if prefill == "quantized" else name
+    method, sep, band = base.partition("@")
+    if not sep:
+        raise ValueError(f"entry {name!r} is not fp32 or <method>@<band>[+qprefill]")
+    method_info(method)
+    return method, parse_band(band), prefill
+
+
+def _write(path: Path, obj: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1, sort_keys=True) + "\n")
+    tmp.replace(path)
+
+
+def _check_calib_tokens(calib_tokens) -> None:
+    if isinstance(calib_tokens, bool) or not isinstance(calib_tokens, int) or not 256 <= calib_tokens <= 8192:
+        raise ValueError(f"calib_tokens must be an integer in 256..8192 (two calibration sequences), "
+                         f"got {calib_tokens!r}")
+
+
+def _calibrated(method: str) -> bool:
+    return method != "fp32" and bool(method_info(method).get("calibrated"))
+
+
+def _window_stats(ref, out, target) -> dict:
+    """Summed NLL of the quantized and the fp32 logits, KL(fp32 || quant), top-1 agreement and the
+    NLL/KL change per position bin, for logits (T, vocab) predicting ``target`` (T,)."""
+    import torch
+
+    lp, lq = torch.log_softmax(ref, -1), torch.log_softmax(out, -1)
+    nf = -lp.gather(1, target[:, None])[:, 0]
+    nq = -lq.gather(1, target[:, None])[:, 0]
+    kl = (lp.exp() * (lp - lq)).sum(-1)
+    d, k = (nq - nf).numpy(), kl.numpy()
+    bins = np.array_split(np.arange(d.size), POSITION_BINS)
+    return {"n": int(target.numel()), "nll_q": float(nq.sum()), "nll_f": float(nf.sum()), "kl": float(kl.sum()),
+            "top1": int((out.argmax(-1) == ref.argmax(-1)).sum()), "dnll_bins": [float(d[b].mean()) for b in bins],
+            "kl_bins": [float(k[b].mean()) for b in bins]}
+
+
+class Evaluator:
+    """A loaded model with its calibration, running the tasks for any method and band.
+
+    Parameters
+    ----------
+    model_name : {"smollm2", "gemma3"}
+    calibrate : bool
+        Build the calibration tables (cached) for the calibrated methods.
+    calib_tokens : int
+        Length of each of the two calibration sequences (``benchmarks/nova_position.py``).
+    """
+
+    def __init__(self, model_name: str = "smollm2", calibrate: bool = True, calib_tokens: int = 1024):
+        import torch
+
+        _check_calib_tokens(calib_tokens)
+        torch.set_grad_enabled(False)
+        self.name = model_name
+        self.calib_tokens = calib_tokens
+        self.model, self.tok, self.info = load_model(model_name)
+        register()
+        self.model.set_attn_implementation("kvq")
+        self.tables = (calibration_tables(self.model, self.tok, model_name, length=calib_tokens)
+                       if calibrate else None)
+        self._rates: dict = {}
+
+    def spec(self, method: str, band: Band | None = None):
+        """The method's spec with the run's band (``None``: the method's own band)."""
+        spec = make_spec(method, self.tables if method_info(method).get("calibrated") else None)
+        return spec if band is None else dataclasses.replace(spec, sink=band.sink, window=band.window)
+
+    def rates(self, spec) -> dict:
+        key = (spec.name, id(spec.tables))
+        if key not in self._rates:
+            i = self.info
+            self._rates[key] = spec_rates(spec, i.layers, i.kv_heads, i.head_dim)
+        return self._rates[key]
+
+    def _band_record(self, spec, T: int) -> dict:
+        r = self.rates(spec)
+        i = self.info
+        acc = pair_weighted_bits(T, spec.sink, spec.window, r["group"], r["rate"], r["table_bits"],
+                                 i.layers, i.kv_heads, i.head_dim)
+        return {"band": {"sink": spec.sink, "window": spec.window, "group": r["group"]},
+                "method_rate": r["rate"], "table_bits": r["table_bits"], "bits_per_element": acc["bits"],
+                "band_pairs": acc["band_pairs"]}
+
+    # --- ppl ------------------------------------------------------------------------------------
+    def ppl(self, method: str, band: Band | None, tokens: int, windows: int) -> dict:
+        """Per-window NLL, KL and top-1 of ``windows`` consecutive held-out windows (module docstring)."""
+        spec = self.spec(method, band)
+        rows = []
+        for ids in token_chunks(self.tok, part("heldout"), tokens, windows):
+            t0 = time.perf_counter()
+            with session("off"):
+                ref = self.model(ids).logits[0, :-1].double()
+            with session("simulate", spec):
+                out = self.model(ids).logits[0, :-1].double()
+            rows.append({**_window_stats(ref, out, ids[0, 1:]), "seconds": time.perf_counter() - t0})
+        return {"method": method, "tokens": tokens, "text": "heldout", "windows": rows,
+                **self._band_record(spec, tokens)}
+
+    # --- layers ---------------------------------------------------------------------------------
+    def layers(self, method: str, band: Band | None, tokens: int = 1024, queries: int = 64) -> dict:
+        """Per-layer attention-output relative error and logit MSE from captured Q/K/V."""
+        spec = self.spec(method, band)
+        ids = token_chunks(self.tok, part("heldout"), tokens, 1)[0]
+        cap = capture(self.model, ids)
+        rel, lmse = [], []
+        for layer in sorted(cap):
+            q, k, v = (x.astype(np.float64) for x in cap[layer])
+            g = q.shape[0] // k.shape[0]
+            errs, mses = [], []
+            for h in range(k.shape[0]):
+                d = k.shape[-1]
+                cache = QuantizedKV.build(k[h], v[h], spec.key(layer, h, d), spec.value(layer, h, d),
+                                          sink=spec.sink, window=spec.window)
+                qq = q[h * g:(h + 1) * g, -queries:]
+                errs.append(relative_error(attention_prefill(qq, cache), exact_attention(qq, k[h], v[h])))
+                mses.append(logit_mse(qq, k[h], cache))
+            rel.append(float(np.mean(errs)))
+            lmse.append(float(np.mean(mses)))
+        return {"method": method, "attn_rel_err": rel, "logit_mse": lmse, "tokens": tokens, "queries": queries,
+                **self._band_record(spec, tokens)}
+
+    # --- caches ---------------------------------------------------------------------------------
+    def _prefill(self, ids, spec=None):
+        """(DynamicCache holding ``ids``, logits of the last position): exact (``spec`` None) or
+        with streaming-quantized attention."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        with session("off") if spec is None else session("simulate", spec):
+            logits = self.model(ids, **cache_kwargs(self.model, cache), use_cache=True).logits[0, -1]
+        return cache, logits
+
+    def _calls(self, method, band, prefill, exact, doc):
+        """(make a fresh cache, the session of its calls, the spec or None, last prefill logits) for
+        one entry; ``exact`` is the shared exact ``_prefill`` of ``doc``."""
+        if method == "fp32":
+            return (lambda: copy.deepcopy(exact[0])), (lambda c: session("off")), None, exact[1]
+        spec = self.spec(method, band)
+        base, last = exact if prefill == "exact" else self._prefill(doc, spec)
+        return (lambda: QuantizedCache.from_cache(base, spec)), (lambda c: session("cache", spec, c)), spec, last
+
+    def _step(self, ids, cache, ctx):
+        with ctx(cache):
+            return self.model(ids, **cache_kwargs(self.model, cache), use_cache=True).logits[0]
+
+    # --- niah -----------------------------------------------------------------------------------
+    def niah(self, entries, variant: str, context: int, depth: float, sample: int, max_new: int | None = None) -> dict:
+        """One needle sample scored by every entry (``entry_id`` strings), one exact prefill shared."""
+        import torch
+
+        s = make_sample(self.tok, variant, context, depth, sample)
+        doc = self.tok(s.document, add_special_tokens=not s.chat, return_tensors="pt").input_ids
+        question = self.tok(s.question, add_special_tokens=False, return_tensors="pt").input_ids
+        ref = self.tok(s.reference, add_special_tokens=False, return_tensors="pt").input_ids
+        max_new = max_new or ref.shape[1] + 6
+        exact = self._prefill(doc)
+        eos = self.tok.eos_token_id
+        results = {}
+        for name in entries:
+            t0 = time.perf_counter()
+            method, band, prefill = parse_entry(name)
+            fresh, ctx, spec, _ = self._calls(method, band, prefill, exact, doc)
+            # teacher-forced log-probability of the reference answer
+            cache = fresh()
+            logits = self._step(torch.cat([question, ref], 1), cache, ctx).double()
+            lp = torch.log_softmax(logits[question.shape[1] - 1:-1], -1)
+            logprob = float(lp.gather(1, ref[0, :, None]).sum())
+            # greedy answer
+            cache = fresh()
+            nxt = int(self._step(question, cache, ctx)[-1].argmax())
+            gen = [nxt]
+            while len(gen) < max_new and nxt != eos:
+                nxt = int(self._step(torch.tensor([[nxt]]), cache, ctx)[-1].argmax())
+                gen.append(nxt)
+            answer = self.tok.decode(gen, skip_special_tokens=True)
+            entry = {"exact": int(exact_match(s, answer)), "logprob": logprob, "answer": answer,
+                     "reference_tokens": int(ref.shape[1]), "prefill": prefill}
+            if spec is not None:
+                entry["bits_per_element"] = cache_bits(cache, self.rates(spec)["table_bits"])
+                entry["band"] = {"sink": spec.sink, "window": spec.window}
+                if _calibrated(method):
+                    entry["calib_tokens"] = self.calib_tokens
+            else:
+                entry["bits_per_element"] = 32.0
+            entry["seconds"] = time.perf_counter() - t0
+            results[name] = entry
+        return {"variant": variant, "context": context, "depth": depth, "sample": sample, "keys": list(s.keys),
+                "values": list(s.values), "offset": s.offset, "chat": s.chat,
+                "prompt_tokens": int(doc.shape[1] + question.shape[1]), "results": results}
+
+    # --- decode ---------------------------------------------------------------------------------
+    def decode(self, name: str, prefix: int = 1024, new_tokens: int = 512, windows: int = 1) -> dict:
+        """Long decode of ``new_tokens`` held-out tokens after a ``prefix``-token prefill (module docstring)."""
+        import torch
+
+        method, band, prefill = parse_entry(name)
+        rows = []
+        for ids in token_chunks(self.tok, part("heldout"), prefix + new_tokens, windows):
+            t0 = time.perf_counter()
+            with session("off"):
+                ref = self.model(ids).logits[0, prefix - 1:-1].double()
+            doc = ids[:, :prefix]
+            fresh, ctx, spec, last = self._calls(method, band, prefill, self._prefill(doc), doc)
+            cache = fresh()
+            outs = [last]  # the prefill's last position predicts the first new token
+            for t in range(prefix, prefix + new_tokens - 1):
+                outs.append(self._step(ids[:, t:t + 1], cache, ctx)[-1])
+            out = torch.stack(outs).double()
+            row = {**_window_stats(ref, out, ids[0, prefix:]), "seconds": time.perf_counter() - t0}
+            if spec is not None:
+                row["bits_per_element"] = cache_bits(cache, self.rates(spec)["table_bits"])
+            rows.append(row)
+        out = {"entry": name, "method": method, "prefill": prefill, "prefix": prefix, "new_tokens": new_tokens,
+               "windows": rows}
+        if spec is not None:
+            out["band"] = {"sink": spec.sink, "window": spec.window}
+        return out
+
+
+# --- the grid -------------------------------------------------------------------------------------
+def _file_name(method: str) -> str:
+    """``nova``; ``nova_keys`` for ``nova:keys`` (no colon in file names)."""
+    return method.replace(":", "_")
+
+
+def _entry_file(name: str) -> str:
+    return name.replace(":", "_").replace("@", "__").replace(",", "-").replace("+", "_")
+
+
+def _entry_stale(name: str, entry: dict, calib_tokens: int) -> bool:
+    method = parse_entry(name)[0]
+    return _calibrated(method) and entry.get("calib_tokens") != calib_tokens
+
+
+def _read(path: Path) -> dict | None:
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not a readable result file ({exc}); delete it to recompute the cell") from None
+
+
+def _missing(unit: dict, calib_tokens: int) -> list[str]:
+    """Entries a unit still needs (all of them when its file is absent)."""
+    stored = _read(unit["path"])
+    if unit["task"] != "niah":
+        if stored is None:
+            return [unit["entry"]]
+        return [unit["entry"]] if _entry_stale(unit["entry"], stored, calib_tokens) else []
+    if stored is None:
+        return list(unit["entries"])
+    have = stored["results"]
+    return [e for e in unit["entries"] if e not in have or _entry_stale(e, have[e], calib_tokens)]
+
+
+def _merge_niah(path: Path, new: dict) -> dict:
+    """``new`` (a needle cell for some entries) merged into the cell stored at ``path``, if any. The
+    stored sample must be the one just made, never a silent mix of two samples."""
+    old = _read(path)
+    if old is None:
+        return new
+    fields = ("keys", "values", "prompt_tokens", "offset")
+    if tuple(old.get(f) for f in fields) != tuple(new.get(f) for f in fields):
+        raise ValueError(f"{path}: the stored needle sample differs from the one the generator now makes "
+                         f"(keys {old.get('keys')!r} vs {new['keys']!r}); write to a fresh --out folder")
+    old["results"].update(new["results"])
+    return old
+
+
+def plan(model: str, methods, out, contexts=(1024,), tasks=("ppl", "niah"), variants=VARIANTS,
+         depths=(0.25, 0.5, 0.75), samples: int = 10, bands=("none",), prefill=("exact",),
+         ppl_windows=((1024, 8),), decode=(1024, 512, 1), layers_tokens: int = 1024) -> list[dict]:
+    """The grid's units (one per result file), before looking at what is stored."""
+    methods = [m for m in dict.fromkeys(["fp32", *methods])]
+    for m in methods:
+        if m != "fp32":
+            method_info(m)  # ValueError naming the known methods
+    unknown = set(tasks) - set(TASKS)
+    if unknown:
+        raise ValueError(f"unknown task(s) {sorted(unknown)}; known: {', '.join(TASKS)}")
+    bad = set(prefill) - set(PREFILL_MODES)
+    if bad:
+        raise ValueError(f"prefill must be among {PREFILL_MODES}, got {sorted(bad)}")
+    bad = set(variants) - set(VARIANTS)
+    if bad:
+        raise ValueError(f"variants must be among {VARIANTS}, got {sorted(bad)}")
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+        raise ValueError(f"samples must be a positive integer, got {samples!r}")
+    parsed = [parse_band(b) if isinstance(b, str) else b for b in bands]
+    if not parsed:
+        raise ValueError("bands must name at least one band")
+    quant = [m for m in methods if m != "fp32"]
+    root = Path(out) / model
+    units = []
+    entries = ["fp32"] + [entry_id(m, b, p) for m in quant for b in parsed for p in prefill]
+    if "ppl" in tasks:
+        for tokens, count in ppl_windows:
+            for m in quant:
+                for b in parsed:
+                    e = entry_id(m, b)
+                    units.append({"task": "ppl", "entry": e, "tokens": tokens, "windows": count,
+                                  "path": root / "ppl" / f"{_entry_file(e)}__T{tokens}x{count}.json"})
+    if "layers" in tasks:
+        for m in quant:
+            for b in parsed:
+                e = entry_id(m, b)
+                units.append({"task": "layers", "entry": e, "tokens": layers_tokens,
+                              "path": root / "layers" / f"{_entry_file(e)}__T{layers_tokens}.json"})
+    if "decode" in tasks:
+        prefix, new, count = decode
+        for e in entries:
+            units.append({"task": "decode", "entry": e, "prefix": prefix, "new_tokens": new, "windows": count,
+                          "path": root / "decode" / f"{_entry_file(e)}__P{prefix}_N{new}x{count}.json"})
+    if "niah" in tasks:
+        for c in contexts:
+            for v in variants:
+                for d in depths:
+                    for s in range(samples):
+                        units.append({"task": "niah", "entries": entries, "cell": (v, c, float(d), s),
+                                      "path": root / "niah" / f"{v}_ctx{c}_d{float(d):g}_s{s}.json"})
+    return units
+
+
+def compute(ev: Evaluator, unit: dict, need: list[str]) -> dict:
+    """The new content of one unit (not yet merged with what is stored)."""
+    task = unit["task"]
+    if task == "niah":
+        v, c, d, s = unit["cell"]
+        return ev.niah(need, v, c, d, s)
+    method, band, _ = parse_entry(unit["entry"])
+    if task == "ppl":
+        res = ev.ppl(method, band, unit["tokens"], unit["windows"])
+    elif task == "layers":
+        res = ev.layers(method, band, unit["tokens"])
+    else:
+        res = ev.decode(unit["entry"], unit["prefix"], unit["new_tokens"], unit["windows"])
+    res["entry"] = unit["entry"]
+    if _calibrated(method):
+        res["calib_tokens"] = ev.calib_tokens
+    return res
+
+
+def _finish(model: str, unit: dict, res: dict, seconds: float) -> None:
+    if unit["task"] == "niah":
+        res = _merge_niah(unit["path"], res)
+    res.update({"model": model, "task": unit["task"]})
+    res["wall_seconds"] = res.get("wall_seconds", 0.0) + seconds
+    _write(unit["path"], res)
+
+
+_WORKER_EVALUATORS: dict = {}
+
+
+def _worker_compute(model: str, calibrate: bool, calib_tokens: int, unit: dict, need: list[str]):
+    """A Ray task: (result, seconds); the evaluator is built once per worker process."""
+    key = (model, calibrate, calib_tokens)
+    if key not in _WORKER_EVALUATORS:
+        _WORKER_EVALUATORS[key] = Evaluator(model, calibrate=calibrate, calib_tokens=calib_tokens)
+    t0 = time.perf_counter()
+    res = compute(_WORKER_EVALUATORS[key], unit, need)
+    return res, time.perf_counter() - t0
+
+
+def _run_ray(model, todo, calibrate, calib_tokens, address, num_gpus, show, summary):
+    import ray
+    from tqdm import tqdm
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address=None if address in (None, "local") else address, ignore_reinit_error=True,
+                 log_to_driver=False)
+    try:
+        task = ray.remote(num_gpus=num_gpus, num_cpus=1)(_worker_compute)
+        pending = {task.remote(model, calibrate, calib_tokens, unit, need): unit for unit, need in todo}
+        bar = tqdm(total=len(pending), desc=f"kvq-eval {model} (ray)", unit="cell", disable=not show)
+        while pending:
+            done, _ = ray.wait(list(pending), num_returns=1)
+            unit = pending.pop(done[0])
+            res, seconds = ray.get(done[0])
+            _finish(model, unit, res, seconds)
+            summary["ran"] += 1
+            bar.update()
+        bar.close()
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def run_grid(model: str, methods, out, contexts=(1024,), tasks=("ppl", "niah"), variants=VARIANTS,
+             depths=(0.25, 0.5, 0.75), samples: int = 10, bands=("none",), prefill=("exact",),
+             ppl_windows=((1024, 8),), decode=(1024, 512, 1), calib_tokens: int = 1024,
+             progress: bool | None = None, ray: str | None = None, num_gpus: float = 0.0,
+             summary: dict | None = None) -> dict:
+    """Run every missing cell of the grid and return a summary of what was run.
+
+    Parameters
+    ----------
+    model : str
+    methods : sequence of str
+        Method names (``methods.METHODS``, ``<method>:keys``/``:values``); "fp32" is always added.
+    out : path
+        Results folder; cells already present are skipped (resumable).
+    bands : sequence of str or Band
+        Each a run setting applied to every method: ``"none"``, ``"S,W"``, or ``"own"`` (the
+        method's built-in band).
+    prefill : sequence of {"exact", "quantized"}
+        Needle and decode prefill modes.
+    ppl_windows : sequence of (tokens, count)
+    decode : (prefix tokens, new tokens, windows)
+    calib_tokens : int
+        Calibration sequence length, recorded with every calibrated entry.
+    ray : str, optional
+        ``"auto"``/an address: run the cells as Ray tasks on that cluster; ``"local"``: start a
+        local Ray instance. The driver writes the same per-cell JSON as a serial run.
+    num_gpus : float
+        GPUs each Ray task asks for.
+    summary : dict, optional
+        Filled in place as cells finish (``cells``, ``done_before``, ``ran``), so a caller that
+        is interrupted still knows what was written.
+    """
+    import sys
+
+    from tqdm import tqdm
+
+    _check_calib_tokens(calib_tokens)
+    units = plan(model, methods, out, contexts, tasks, variants, depths, samples, bands, prefill,
+                 ppl_windows, decode)
+    todo = [(u, need) for u in units if (need := _missing(u, calib_tokens))]
+    summary = {} if summary is None else summary
+    summary.update(cells=len(units), done_before=len(units) - len(todo), ran=0)
+    if not todo:
+        return summary
+    calibrated = {parse_entry(e)[0] for _, need in todo for e in need} & {
+        m for m in methods if m != "fp32" and _calibrated(m)}
+    longest = max([u["cell"][1] for u, _ in todo if u["task"] == "niah"] +
+                  [u.get("tokens", 0) for u, _ in todo] + [0])
+    if calibrated and longest > calib_tokens:
+        warnings.warn(f"calib_tokens={calib_tokens} is shorter than the context {longest}: "
+                      f"{', '.join(sorted(calibrated))} will meet keys at positions they were not "
+                      f"calibrated on (see benchmarks/nova_position.py)", stacklevel=2)
+    show = sys.stderr.isatty() if progress is None else progress
+    if ray is not None:
+        _run_ray(model, todo, bool(calibrated), calib_tokens, ray, num_gpus, show, summary)
+    else:
+        ev = Evaluator(model, calibrate=bool(calibrated), calib_tokens=calib_tokens)
+        for unit, need in tqdm(todo, desc=f"kvq-eval {model}", unit="cell", disable=not show, file=sys.stderr):
+            t0 = time.perf_counter()
+            res = compute(ev, unit, need)
+            _finish(model, unit, res, time.perf_counter() - t0)
+            summary["ran"] += 1
+    return summary

@@ -1,0 +1,260 @@
+"""The real-model evaluation: capture, streaming-quantized attention, the quantized Cache, NIAH.
+
+Tests marked ``model`` load SmolLM2-135M from its wheel (a few hundred tokens each); CI runs them.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from kvq_ref import KIVI, QJL, PolarQuant, QuaRot, TurboBlock, TurboQuantMSE, TurboQuantProd
+from kvq_eval.hooks import concat_encoded
+from kvq_eval.methods import Blocked, Identity, make_spec
+
+
+# ---------------------------------------------------------------------------------------------
+# no model
+
+
+@pytest.mark.parametrize("method", [TurboQuantMSE(64, 3), TurboQuantProd(64, 3), PolarQuant(64), QuaRot(64, 2, group=64),
+                                    KIVI(64, 2, "key", group=32, residual=32), KIVI(64, 2, "value", 32, 32, value_window="block"),
+                                    QJL(64, "key", m=128, m_outlier=16), QJL(64, "value"), Identity(64),
+                                    Blocked(TurboBlock("turbo3", 32, profile="kvq"), 64)], ids=lambda m: m.name)
+def test_chunk_encodings_concatenate(method):
+    """The cache encodes tokens in chunks of 32: concatenating chunk encodings equals encoding all."""
+    x = np.random.default_rng(0).standard_normal((96, 64))
+    whole = method.encode(x)
+    parts = concat_encoded(method, [method.encode(x[i:i + 32]) for i in range(0, 96, 32)])
+    assert parts == whole
+    assert np.array_equal(method.decode(parts), method.decode(whole))
+
+
+def test_blocked_turbo_and_identity():
+    b = Blocked(TurboBlock("turbo4", 32, profile="kvq"), 64)
+    x = np.random.default_rng(1).standard_normal((5, 64))
+    enc = b.encode(x)
+    assert enc.bits_per_element == 4.5 and b.decode(enc).shape == (5, 64)
+    assert np.array_equal(Identity(64).decode(Identity(64).encode(x)), x.astype(np.float32))
+    with pytest.raises(ValueError, match="block size 32 must divide dim 48"):
+        Blocked(TurboBlock("turbo3", 32, profile="kvq"), 48)
+
+
+def test_method_registry():
+    assert make_spec("nova", tables=object()).window == 256
+    with pytest.raises(ValueError, match="needs calibration tables"):
+        make_spec("nova")
+    with pytest.raises(ValueError, match="unknown method"):
+        make_spec("zip")
+    spec = make_spec("tq_mse3")
+    assert spec.key(0, 1, 64) is spec.key(0, 1, 64) and spec.key(0, 1, 64) != spec.key(0, 2, 64)
+
+
+def test_half_methods_quantize_one_side_only():
+    from kvq_eval.methods import method_info
+    from kvq_eval.runner import _file_name
+
+    keys, values = make_spec("tq_mse3:keys"), make_spec("tq_mse3:values")
+    full = make_spec("tq_mse3")
+    assert keys.key(2, 1, 64) == full.key(2, 1, 64) and keys.value(2, 1, 64) == Identity(64)
+    assert values.value(2, 1, 64) == full.value(2, 1, 64) and values.key(2, 1, 64) == Identity(64)
+    assert make_spec("tq_mse3:keys") == keys  # same half method, same spec (quantizers shared)
+    nova = method_info("nova:values")
+    assert nova["calibrated"] and (nova["sink"], nova["window"]) == (64, 256) and "nominal_bits" not in nova
+    with pytest.raises(ValueError, match="needs calibration tables"):
+        make_spec("nova:keys")
+    for bad in ("tq_mse3:both", "zip:keys", "tq_mse3:"):
+        with pytest.raises(ValueError, match="each also as <method>:keys"):
+            method_info(bad)
+    with pytest.raises(TypeError, match="method name must be a str"):
+        method_info(3)
+    assert _file_name("nova:keys") == "nova_keys" and _file_name("tq_split2.5") == "tq_split2.5"
+
+
+@pytest.mark.parametrize("bad", [100, 10_000, 1024.0, True])
+def test_calibration_length_is_validated_before_any_model_load(tmp_path, bad):
+    from kvq_eval.cli import main
+    from kvq_eval.runner import run_grid
+
+    with pytest.raises(ValueError, match="calib_tokens must be an integer in 256..8192"):
+        run_grid("smollm2", ["nova"], tmp_path, calib_tokens=bad)
+    if isinstance(bad, int) and not isinstance(bad, bool):
+        assert main(["run", "--methods", "nova", "--calib-tokens", str(bad), "--out", str(tmp_path)]) == 2
+    assert not any(tmp_path.iterdir())
+
+
+# ---------------------------------------------------------------------------------------------
+# with SmolLM2 (a few hundred tokens)
+
+
+@pytest.fixture(scope="module")
+def lm():
+    pytest.importorskip("transformers")
+    import torch
+
+    from kvq_eval.calib import token_chunks
+    from kvq_eval.hooks import register
+    from kvq_eval.models import load_model
+    from kvq_eval.text import part
+
+    torch.set_grad_enabled(False)
+    model, tok, info = load_model("smollm2")
+    register()
+    ids = token_chunks(tok, part("evaluation"), 200, 1)[0]
+    ref = model(ids).logits  # stock sdpa
+    model.set_attn_implementation("kvq")
+    return model, tok, ids, ref
+
+
+@pytest.mark.model
+def test_capture_equals_stock_attention(lm):
+    from kvq_eval.hooks import session
+
+    model, tok, ids, ref = lm
+    with session("capture") as s:
+        out = model(ids).logits
+    assert (out - ref).abs().max().item() <= 1e-5
+    assert sorted(s.captured) == list(range(30))
+    q, k, v = s.captured[0][0]
+    assert q.shape == (9, 200, 64) and k.shape == (3, 200, 64) and v.shape == k.shape
+
+
+@pytest.mark.model
+def test_identity_method_reproduces_fp32_logits(lm):
+    from kvq_eval.hooks import session
+
+    model, tok, ids, ref = lm
+    with session("simulate", make_spec("identity")):
+        out = model(ids).logits
+    # float64 attention vs torch's float32 sdpa: differences at float32 rounding of the logits
+    assert (out - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("name", ["tq_mse2", "tq_prod3", "kivi2", "qjl", "polarquant", "quarot2", "quarot2_official",
+                                  "turbo3"])
+def test_each_method_gives_finite_metrics_and_band_is_exact(lm, name):
+    import torch
+
+    from kvq_eval.hooks import session
+
+    model, tok, ids, ref = lm
+    spec = make_spec(name)
+    with session("simulate", spec):
+        out = model(ids).logits
+    assert torch.isfinite(out).all()
+    kl = (torch.softmax(ref, -1) * (torch.log_softmax(ref, -1) - torch.log_softmax(out, -1))).sum(-1).mean()
+    assert 0 < kl.item() < 5
+    # a band covering every token leaves only float16 storage: logits as with the identity method
+    wide = type(spec)(name=spec.name, make=spec.make, sink=0, window=10_000)
+    with session("simulate", wide):
+        banded = model(ids).logits
+    assert (banded - ref).abs().max().item() < 0.05 * ref.abs().max().item()
+
+
+@pytest.mark.model
+def test_quantized_cache_generate_and_band(lm):
+    import torch
+
+    from kvq_eval.hooks import QuantizedCache, cache_kwargs, session
+
+    model, tok, ids, ref = lm
+    short = ids[:, :150]
+    plain = model.generate(short, max_new_tokens=6, do_sample=False)
+    spec = make_spec("identity")
+    cache = QuantizedCache(spec)
+    with session("cache", spec, cache):
+        same = model.generate(short, max_new_tokens=6, do_sample=False, **cache_kwargs(model, cache))
+    assert torch.equal(plain, same)
+    spec = make_spec("kivi2")  # window 128: 200 + 5 tokens written -> 64 (two chunks) leave the window
+    cache = QuantizedCache(spec)
+    with session("cache", spec, cache):
+        out = model.generate(ids, max_new_tokens=6, do_sample=False, **cache_kwargs(model, cache))
+    assert out.shape == (1, 206)
+    store = cache.stores[0]
+    assert (store.n, store.n_mid, store.win_k[0].shape[0]) == (205, 64, 141)
+    # window tokens are kept exactly (float16 copies of the keys written)
+    k_full = cache.layers[0].keys[0, 0].double().numpy()
+    assert np.array_equal(store.win_k[0].astype(np.float16), k_full[-store.win_k[0].shape[0]:].astype(np.float16))
+    # 64 tokens at KIVI-2's stored rate (3 bits), 141 at 16: the measured rate is their mix
+    kivi_bits = KIVI(64, 2, "key", 32, 32).encode(np.zeros((64, 64))).bits_per_element
+    assert cache.bits_per_element() == pytest.approx((64 * kivi_bits + 141 * 16) / 205, rel=1e-12)
+
+
+def _evaluator(model, tok):
+    from kvq_eval.models import MODELS
+    from kvq_eval.runner import Evaluator
+
+    ev = Evaluator.__new__(Evaluator)
+    ev.name, ev.model, ev.tok, ev.tables, ev.info, ev.calib_tokens, ev._rates = (
+        "smollm2", model, tok, None, MODELS["smollm2"], 1024, {})
+    return ev
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("name,sink,window", [("tq_mse3", 4, 16), ("kivi2", 0, 32)])
+def test_cache_decode_equals_streaming_simulation(lm, name, sink, window):
+    """One band rule in both modes: a quantized prefill of 80 tokens, then 40 tokens decoded one at a
+    time over the QuantizedCache, gives the logits of the streaming simulation of all 120 tokens.
+
+    Tolerance: the cache scores float32-decoded keys, the simulation the float64 reconstruction, so
+    logits differ by float32 rounding carried through 30 layers (1e-3 of the logit scale); a band
+    one token wider changes them by far more (checked, so the comparison can fail).
+    """
+    import torch
+
+    from kvq_eval.band import Band
+    from kvq_eval.hooks import QuantizedCache, cache_kwargs, session
+
+    model, tok, ids, ref = lm
+    ev = _evaluator(model, tok)
+    x = ids[:, :120]
+
+    def streamed(spec):
+        cache, last = ev._prefill(x[:, :80], spec)
+        qc = QuantizedCache.from_cache(cache, spec)
+        outs = [last]
+        with session("cache", spec, qc):
+            for t in range(80, 119):
+                outs.append(model(x[:, t:t + 1], **cache_kwargs(model, qc), use_cache=True).logits[0, -1])
+        return torch.stack(outs)
+
+    spec = ev.spec(name, Band(sink, window))
+    with session("simulate", spec):
+        sim = model(x).logits[0, 79:119]
+    scale = sim.abs().max().item()
+    assert (streamed(spec) - sim).abs().max().item() <= 1e-3 * scale
+    wider = ev.spec(name, Band(sink, window + 8))
+    assert (streamed(wider) - sim).abs().max().item() > 1e-2 * scale
+
+
+@pytest.mark.model
+def test_grid_v2_resumable_and_tables(lm, tmp_path, capsys):
+    from kvq_eval.cli import main
+    from kvq_eval.runner import run_grid
+
+    kw = dict(contexts=(512,), tasks=("ppl", "niah", "decode"), variants=("single",), depths=(0.5,), samples=1,
+              bands=("none", "16,32"), ppl_windows=((64, 1),), decode=(64, 16, 1), progress=False)
+    assert run_grid("smollm2", ["tq_mse4"], tmp_path, **kw) == {"cells": 6, "done_before": 0, "ran": 6}
+    root = tmp_path / "smollm2"
+    cell_path = next((root / "niah").glob("*.json"))
+    cell = json.loads(cell_path.read_text())
+    assert set(cell["results"]) == {"fp32", "tq_mse4@none", "tq_mse4@16,32"}
+    assert cell["results"]["fp32"]["exact"] == 1 and cell["chat"]
+    r = cell["results"]["tq_mse4@none"]
+    assert r["band"] == {"sink": 0, "window": 0} and r["bits_per_element"] == pytest.approx(4.25)
+    assert cell["results"]["tq_mse4@16,32"]["bits_per_element"] > 4.25
+    ppl = json.loads((root / "ppl" / "tq_mse4__none__T64x1.json").read_text())
+    assert ppl["bits_per_element"] == pytest.approx(4.25) and len(ppl["windows"]) == 1
+    dec = json.loads((root / "decode" / "fp32__P64_N16x1.json").read_text())
+    assert dec["windows"][0]["kl"] < 1e-6 and dec["windows"][0]["top1"] == 16
+    assert run_grid("smollm2", ["tq_mse4"], tmp_path, **kw) == {"cells": 6, "done_before": 6, "ran": 0}
+    # a method added later: its own files, and its entries join the stored needle cell
+    assert run_grid("smollm2", ["tq_mse4", "tq_mse2"], tmp_path, **kw) == {"cells": 10, "done_before": 5, "ran": 5}
+    after = json.loads(cell_path.read_text())
+    assert {e: after["results"][e] for e in cell["results"]} == cell["results"]
+    assert set(after["results"]) == set(cell["results"]) | {"tq_mse2@none", "tq_mse2@16,32"}
+    assert main(["table", str(tmp_path)]) == 0
+    assert "| tq_mse2@none | 2.25 |" in capsys.readouterr().out

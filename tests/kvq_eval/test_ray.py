@@ -1,0 +1,41 @@
+"""The Ray path: a tiny grid on a local two-worker Ray instance writes what the serial run writes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+
+def _strip(obj):
+    """A result without its timings (the only fields that differ between runs)."""
+    if isinstance(obj, dict):
+        return {k: _strip(v) for k, v in obj.items() if k not in ("seconds", "wall_seconds")}
+    if isinstance(obj, list):
+        return [_strip(v) for v in obj]
+    return obj
+
+
+@pytest.mark.model
+def test_ray_grid_matches_serial(tmp_path):
+    from kvq_eval.runner import run_grid
+
+    kw = dict(contexts=(384,), tasks=("ppl", "niah"), variants=("single",), depths=(0.5,), samples=2,
+              bands=("none", "16,32"), ppl_windows=((64, 1),), progress=False)
+    serial = run_grid("smollm2", ["tq_mse2"], tmp_path / "serial", **kw)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    try:
+        assert ray.cluster_resources()["CPU"] == 2
+        parallel = run_grid("smollm2", ["tq_mse2"], tmp_path / "ray", ray="local", **kw)
+    finally:
+        ray.shutdown()
+    assert serial == parallel == {"cells": 4, "done_before": 0, "ran": 4}
+    files = sorted(p.relative_to(tmp_path / "serial") for p in (tmp_path / "serial").rglob("*.json"))
+    assert files == sorted(p.relative_to(tmp_path / "ray") for p in (tmp_path / "ray").rglob("*.json"))
+    for f in files:
+        a = json.loads((tmp_path / "serial" / f).read_text())
+        b = json.loads((tmp_path / "ray" / f).read_text())
+        assert _strip(a) == _strip(b), f

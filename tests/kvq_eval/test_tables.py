@@ -1,0 +1,140 @@
+"""Tables, comparisons and charts from crafted result files (no model)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from scipy.stats import binomtest
+
+from kvq_eval.cli import main
+from kvq_eval.plot import load_results, markdown_table, niah_summary, paired_comparison, plot_results, ppl_summary
+
+
+def _ppl(entry, tokens, dnll, bits):
+    windows = [{"n": tokens - 1, "nll_q": (2.0 + d) * (tokens - 1), "nll_f": 2.0 * (tokens - 1), "kl": 0.01 * tokens,
+                "top1": tokens - 2, "dnll_bins": [d * (1 + b) for b in range(4)]} for d in dnll]
+    return {"entry": entry, "tokens": tokens, "windows": windows, "bits_per_element": bits, "band_pairs": 0.1,
+            "band": {"sink": 0, "window": 0}, "task": "ppl"}
+
+
+def _write(root, rel, obj):
+    p = root / rel
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(obj))
+
+
+@pytest.fixture
+def folder(tmp_path):
+    root = tmp_path / "smollm2"
+    _write(root, "ppl/a.json", _ppl("tq_mse4@none", 1024, [0.05, 0.04, 0.06, 0.05], 4.25))
+    _write(root, "ppl/b.json", _ppl("tq_mse4@64,256", 1024, [0.001, 0.002, 0.0, 0.001], 6.2))
+    # 12 needle samples at 1K: fp32 right on 10, tq_mse4@none on 7 (never where fp32 fails)
+    for s in range(12):
+        fp, q = int(s < 10), int(s < 7)
+        _write(root, f"niah/single_ctx1024_d0.5_s{s}.json", {
+            "variant": "single", "context": 1024, "sample": s, "depth": 0.5, "results": {
+                "fp32": {"exact": fp, "logprob": -1.0 - 0.1 * s},
+                "tq_mse4@none": {"exact": q, "logprob": -1.5 - 0.1 * s, "bits_per_element": 4.25}}})
+    return tmp_path
+
+
+def test_summaries_and_table(folder):
+    res = load_results(folder, "smollm2")
+    pp = ppl_summary(res)["tq_mse4@none"][1024]
+    assert pp["dppl"] == pytest.approx(100 * math.expm1(0.05), rel=1e-12) and pp["windows"] == 4
+    assert pp["ci"][0] <= pp["dppl"] <= pp["ci"][1] and pp["bits"] == 4.25
+    nh = niah_summary(res["niah"])
+    ci = binomtest(7, 12).proportion_ci(method="wilson")
+    row = nh["tq_mse4@none"][1024]
+    assert row["exact"] == 7 / 12 and row["ci"] == pytest.approx((ci.low, ci.high), abs=1e-12)
+    assert row["dlogprob"] == pytest.approx(-0.5) and row["dlogprob_ci"] == pytest.approx((-0.5, -0.5))
+    table = markdown_table(res).splitlines()
+    assert table[0].startswith("| entry | bits @1K | Δppl 1K [95% CI] (windows) | KL 1K | cache bits 1K | exact 1K")
+    assert table[2].startswith("| fp32 | – | – | – | 32.00 | 0.83 [")
+    assert table[3].startswith("| tq_mse4@none | 4.25 | +5.13% [") and table[3].endswith("| 4.25 | 0.58 [0.32, 0.81] (12) | -0.50 [-0.50, -0.50] |")
+    assert table[4].startswith("| tq_mse4@64,256 | 6.20 |")
+    paths = plot_results(folder, "smollm2", folder / "out" / "s")
+    assert len(paths) == 1 and paths[0].stat().st_size > 10_000
+
+
+def test_compare_mcnemar_and_bootstrap(folder, capsys):
+    cmp = paired_comparison(load_results(folder, "smollm2")["niah"], "tq_mse4@none", "fp32")[1024]
+    assert (cmp["a_only"], cmp["b_only"], cmp["both"], cmp["neither"]) == (0, 3, 7, 2)
+    assert cmp["p_mcnemar"] == pytest.approx(binomtest(0, 3, 0.5).pvalue)
+    assert cmp["dlogprob"] == pytest.approx(-0.5)
+    assert main(["compare", str(folder), "tq_mse4@none", "fp32"]) == 0
+    assert "| 1024 | 12 | 0 | 3 | 7 | 2 | 0.25 | -0.50 [-0.50, -0.50] |" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="must differ"):
+        paired_comparison([], "a", "a")
+    assert main(["compare", str(folder), "tq_mse4@none", "zip@none"]) == 2
+
+
+def test_bad_result_files_give_one_clear_error(tmp_path, capsys):
+    _write(tmp_path / "smollm2", "ppl/x.json", {})
+    assert main(["table", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "x.json: not a kvq-eval ppl result (missing entry, tokens, windows" in err and "Traceback" not in err
+    v1 = tmp_path / "v1"
+    _write(v1 / "smollm2", "lm/fp32.json", {})
+    assert main(["table", str(v1)]) == 2
+    assert "results of the v1 protocol" in capsys.readouterr().err
+    (tmp_path / "smollm2" / "ppl" / "x.json").write_text("{")
+    with pytest.raises(ValueError, match="not a readable result file"):
+        load_results(tmp_path, "smollm2")
+    with pytest.raises(FileNotFoundError):
+        load_results(tmp_path, "gemma3")
+
+
+def test_capture_refuses_bad_counts_before_loading(tmp_path, capsys, monkeypatch):
+    import kvq_eval.models as models
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("model loaded"))
+    assert main(["capture", "--tokens", "-5", "--out", str(tmp_path / "q.safetensors")]) == 2
+    assert "--tokens must be a positive integer, got -5" in capsys.readouterr().err
+    assert main(["capture", "--sequences", "0", "--out", str(tmp_path / "q.safetensors")]) == 2
+    assert not any(tmp_path.iterdir())
+
+
+def test_run_arguments_are_validated(tmp_path):
+    assert main(["run", "--band", "64", "--out", str(tmp_path)]) == 2
+    assert main(["run", "--ppl-windows", "1024", "--out", str(tmp_path)]) == 2
+    assert main(["run", "--prefill", "lazy", "--out", str(tmp_path)]) == 2
+    assert main(["run", "--methods", "nope", "--out", str(tmp_path)]) == 2
+    assert not any(tmp_path.iterdir())
+
+
+def test_position_and_layer_tables(folder, capsys):
+    assert main(["table", str(folder), "--positions", "1024"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "| entry | 0–256 | 256–512 | 512–768 | 768–1024 |"
+    # mean over windows of d * (1 + bin): d averages 0.05 for tq_mse4@none
+    assert "| tq_mse4@none | +0.050 | +0.100 | +0.150 | +0.200 |" in out
+    assert main(["table", str(folder), "--positions", "8192"]) == 2
+    assert "no perplexity cell with 8192-token windows; present: [1024]" in capsys.readouterr().err
+    _write(folder / "smollm2", "layers/a.json", {"entry": "tq_mse4@none", "attn_rel_err": [0.1, 0.25],
+                                                  "logit_mse": [1.0, 2.0], "bits_per_element": 4.25})
+    assert main(["table", str(folder), "--layers"]) == 0
+    assert "| tq_mse4@none | 0.100 | 0.250 |" in capsys.readouterr().out
+
+
+def test_interrupted_run_is_logged_with_what_it_wrote(tmp_path, monkeypatch, capsys):
+    """SIGTERM/Ctrl-C part-way: runs.jsonl still records the command, its wall time and the cells
+    written so far (the convention of results/*/runs.jsonl), and the exit status is 130."""
+    import os
+    import signal
+
+    import kvq_eval.runner as runner
+
+    def fake_grid(*args, summary, **kw):
+        summary.update(cells=10, done_before=2, ran=3)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(runner, "run_grid", fake_grid)
+    assert main(["run", "--methods", "tq_mse4", "--out", str(tmp_path)]) == 130
+    line = json.loads((tmp_path / "smollm2" / "runs.jsonl").read_text())
+    assert (line["cells"], line["done_before"], line["ran"], line["interrupted"]) == (10, 2, 3, "SIGTERM")
+    assert line["command"].startswith("kvq-eval run --methods tq_mse4") and line["wall_seconds"] >= 0
+    assert "3 cell(s) run, 2 already done, of 10" in capsys.readouterr().out
+    assert signal.getsignal(signal.SIGTERM) is not None
