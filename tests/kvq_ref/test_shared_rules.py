@@ -71,7 +71,7 @@ def test_non_integer_shapes_are_refused(shape):
 
 
 def test_reconstruction_that_overflows_float32_is_refused():
-    q = NovaKV(HEAD, "value")
+    q = NovaKV(HEAD, "value", values="vq")  # the gain-shape VQ path (the default values path has no gains)
     enc = q.encode(np.random.default_rng(1).standard_normal((4, D)))
     enc.arrays["gains"][:] = np.float32(3.0e38)  # a valid float32 whose reconstruction is not
     with pytest.raises(ValueError, match="overflows float32"):
