@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -26,8 +25,9 @@ import pytest
 from kvq_ref.turbo_block import TurboBlock
 from kvq_ref.turbo_profiles import get_profile, parse_f32, profile_names
 
-REPO = Path(__file__).resolve().parents[2]
-INTEROP = Path(os.environ.get("KVQ_INTEROP_DIR") or REPO.parent / "shared" / "interop")
+from .golden_format import interop_dir
+
+INTEROP = interop_dir()
 FOLDER = INTEROP / "llama-cpp-turboquant"
 FMTS = {"turbo2": 2, "turbo3": 3, "turbo4": 4}
 
@@ -37,7 +37,8 @@ if not FOLDER.is_dir():
     pytest.skip(f"{INTEROP} holds no llama-cpp-turboquant/ golden set", allow_module_level=True)
 
 
-# --- loading golden data: arrays are base64 of little-endian bytes, blocks are hex strings ------
+# --- loading golden data: this set's inputs are bare base64 strings of little-endian float32 (not
+# the {dtype, shape, b64} arrays of golden_format), blocks are hex strings ------------------------
 def f32_le(b64: str) -> np.ndarray:
     """A base64 string of little-endian float32 values as a float32 array."""
     return np.frombuffer(base64.b64decode(b64), dtype="<f4").astype(np.float32)
