@@ -212,9 +212,19 @@ def main(argv=None) -> dict:
     t = timed(lambda: dst.copy_(src))
     result["copy_bandwidth_gbs"] = 2 * nbytes / t / 1e9
     del src, dst
+    name = re.sub(r"[^A-Za-z0-9]+", "_", result["device"]).strip("_").lower()
+    suffix = "dryrun" if args.dry_run else name + ("_quick" if args.quick else "")
+    path = args.out / f"bench_{suffix}.json"
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    def save():  # after every step, so a run stopped at its time limit keeps what it measured
+        result["complete"] = "met" in result
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(result, indent=1, default=float) + "\n")
+        os.replace(tmp, path)
+    save()
     # 2. correctness
     result["checks"] = _checks(dev, d, g, bit_list)
-    args.out.mkdir(parents=True, exist_ok=True)
     if not all(c["ok"] for c in result["checks"]):
         print("kernels disagree with kvq_ref; not timing", file=sys.stderr)
         (args.out / "bench_failed_checks.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -248,6 +258,7 @@ def main(argv=None) -> dict:
                     "fraction_of_copy_bandwidth": bw / result["copy_bandwidth_gbs"],
                     "sdpa_fp16_seconds": t_sdpa, "sdpa_backend": backend, "sdpa_bytes": sdpa_bytes,
                     "sdpa_bandwidth_gbs": sdpa_bytes / t_sdpa / 1e9, "speedup_vs_sdpa": t_sdpa / t})
+                save()
                 del cache
     # 4. append throughput
     rows_b, rows_t = (16, 2048) if cuda else (2, 8)
@@ -265,6 +276,7 @@ def main(argv=None) -> dict:
         result["append"].append({"bits": bits, "tokens": rows_b * rows_t, "kv_heads": hkv, "seconds": t,
                                  "bytes": moved, "bandwidth_gbs": moved / t / 1e9,
                                  "fraction_of_copy_bandwidth": moved / t / 1e9 / result["copy_bandwidth_gbs"]})
+        save()
         del cache, k, v
     long = [r for r in result["decode"] if r["context"] >= 32768]
     result["met"] = None if not cuda else {
@@ -272,10 +284,7 @@ def main(argv=None) -> dict:
         "speedup_4bit": all(r["speedup_vs_sdpa"] >= 3.0 for r in long if r["bits"] == 4),
         "speedup_2bit": all(r["speedup_vs_sdpa"] >= 5.0 for r in long if r["bits"] == 2),
         "append": all(r["fraction_of_copy_bandwidth"] >= 0.5 for r in result["append"])}
-    name = re.sub(r"[^A-Za-z0-9]+", "_", result["device"]).strip("_").lower()
-    suffix = "dryrun" if args.dry_run else name + ("_quick" if args.quick else "")
-    path = args.out / f"bench_{suffix}.json"
-    path.write_text(json.dumps(result, indent=1, default=float) + "\n")
+    save()
     print(f"device {result['device']}: copy {result['copy_bandwidth_gbs']:.1f} GB/s; checks passed; wrote {path}")
     for r in result["decode"]:
         print(f"  batch {r['batch']:>2} ctx {r['context']:>6} {r['bits']} bits: {r['seconds'] * 1e6:9.1f} us, "

@@ -100,30 +100,46 @@ def _level(c, sh, W: tl.constexpr, SYM: tl.constexpr, l0, l1, l2, l3, l4, l5, l6
 
 
 @triton.jit
-def _codes_tile(words_ptr, row, tmask, W: tl.constexpr, ROW_WORDS: tl.constexpr, NWORDS: tl.constexpr,
-                BN: tl.constexpr, DP: tl.constexpr, SYM: tl.constexpr):
-    """Codes of the rows as ``(x, sh)``: code ``j`` of a row is bits ``sh[j] .. sh[j] + W - 1`` of
-    ``x[:, j]`` (uint32, (BN, DP) and (1, DP); ``_select`` tests those bits in place) of the rows
-    ``row`` (BN,) int64 of a word array with ROW_WORDS words a row.
+def _load_words(words_ptr, row, tmask, W: tl.constexpr, ROW_WORDS: tl.constexpr, NWORDS: tl.constexpr,
+                DP: tl.constexpr):
+    """The packed words of the rows ``row`` (BN,) int64 of a word array with ROW_WORDS words a row,
+    as three tiles for ``_unpack`` (words at index >= NWORDS, past the row's stream, and masked rows
+    read as 0). W in (2, 4): the first ``DP W / 32`` words of each row in one 2-D load (contiguous,
+    vectorizable), and two unused zeros. W == 3: word ``3 g + i`` of each 3-word group ``g`` as tile
+    ``i`` (BN, DP / 32)."""
+    if W == 3:
+        NG: tl.constexpr = DP // 32
+        g = tl.arange(0, NG)
+        base = words_ptr + row[:, None] * ROW_WORDS + 3 * g[None, :]
+        m = tmask[:, None] & (3 * g < NWORDS)[None, :]
+        w0 = tl.load(base, mask=m, other=0)
+        w1 = tl.load(base + 1, mask=m & (3 * g + 1 < NWORDS)[None, :], other=0)
+        w2 = tl.load(base + 2, mask=m & (3 * g + 2 < NWORDS)[None, :], other=0)
+        return w0, w1, w2
+    else:
+        NW: tl.constexpr = DP * W // 32
+        k = tl.arange(0, NW)
+        words = tl.load(words_ptr + row[:, None] * ROW_WORDS + k[None, :],
+                        mask=tmask[:, None] & (k < NWORDS)[None, :], other=0)
+        return words, 0, 0
 
-    W in (2, 4): the first ``DP W / 32`` words of a row in one 2-D load (contiguous, vectorizable),
-    each word broadcast to its ``32 / W`` codes at bit offsets ``sh`` (no shifts). W == 3: groups of 3 words hold 32 codes
-    (96 bits); code ``c`` of a group sits in the 64-bit pair (w0, w1) for ``c < 11`` and (w1, w2)
-    after. Words at index >= NWORDS (past the row's stream) read as 0.
+
+@triton.jit
+def _unpack(w0, w1, w2, W: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr, SYM: tl.constexpr):
+    """Codes of ``_load_words``'s tiles as ``(x, sh)``: code ``j`` of a row is bits ``sh[j] .. sh[j] + W
+    - 1`` of ``x[:, j]`` (uint32, (BN, DP) and (1, DP); ``_select`` tests those bits in place).
+
+    W in (2, 4): each word broadcast to its ``32 / W`` codes at bit offsets ``sh`` (no shifts).
+    W == 3: groups of 3 words hold 32 codes (96 bits); code ``c`` of a group sits in the 64-bit pair
+    (w0, w1) for ``c < 11`` and (w1, w2) after.
 
     SYM (W in 2, 4; symmetric tables ``level[c] = -level[2^W - 1 - c]``): each code ``c`` comes back
     as ``c`` if its top bit is set, else with its low ``W - 1`` bits flipped, i.e. the top bit is the
     sign and the low bits index the magnitudes ``level[2^(W-1) + i]`` (``_level``).
     """
     if W == 3:
-        NG: tl.constexpr = DP // 32
-        g = tl.arange(0, NG)
-        base = words_ptr + row[:, None] * ROW_WORDS + 3 * g[None, :]
-        m = tmask[:, None] & (3 * g < NWORDS)[None, :]
-        w0 = tl.load(base, mask=m, other=0).to(tl.uint32, bitcast=True).to(tl.uint64)
-        w1 = tl.load(base + 1, mask=m & (3 * g + 1 < NWORDS)[None, :], other=0)
+        w0 = w0.to(tl.uint32, bitcast=True).to(tl.uint64)
         w1 = w1.to(tl.uint32, bitcast=True).to(tl.uint64)
-        w2 = tl.load(base + 2, mask=m & (3 * g + 2 < NWORDS)[None, :], other=0)
         w2 = w2.to(tl.uint32, bitcast=True).to(tl.uint64)
         lo = w0 | (w1 << 32)
         hi = w1 | (w2 << 32)
@@ -135,15 +151,27 @@ def _codes_tile(words_ptr, row, tmask, W: tl.constexpr, ROW_WORDS: tl.constexpr,
     else:
         NW: tl.constexpr = DP * W // 32
         PER: tl.constexpr = 32 // W
-        k = tl.arange(0, NW)
-        words = tl.load(words_ptr + row[:, None] * ROW_WORDS + k[None, :],
-                        mask=tmask[:, None] & (k < NWORDS)[None, :], other=0).to(tl.uint32, bitcast=True)
+        words = w0.to(tl.uint32, bitcast=True)
         sh = (tl.arange(0, PER) * W).to(tl.uint32)
         if SYM:  # per code: keep c when its top bit is set, else flip the low W-1 bits (5 ops a word)
             REP: tl.constexpr = 0x55555555 if W == 2 else 0x11111111
             words = words ^ ((((~words) >> (W - 1)) & REP) * ((1 << (W - 1)) - 1))
         x = tl.broadcast_to(words[:, :, None], (BN, NW, PER))
         return tl.reshape(x, (BN, DP)), tl.reshape(tl.broadcast_to(sh[None, :], (NW, PER)), (1, DP))
+
+
+@triton.jit
+def _tile_rows(bt_ptr, b, bt_stride, t0, end, H, h, P, BLOCK_N: tl.constexpr, ALIGNED: tl.constexpr):
+    """Slot rows (BLOCK_N,) int64 and validity (BLOCK_N,) of the encoded tokens ``t0 + [0, BLOCK_N)``
+    of sequence ``b``, KV head ``h`` (a tile never crosses a page: P is a multiple of BLOCK_N, or the
+    sequence has one page). A tile at or past ``end`` is all invalid (its page entry is not read)."""
+    t = t0 + tl.arange(0, BLOCK_N)
+    tmask = t < end
+    page = tl.load(bt_ptr + b * bt_stride + t0 // P, mask=t0 < end, other=0).to(tl.int64)
+    row0 = (page * H + h) * P + t0 % P
+    if ALIGNED:
+        row0 = tl.multiple_of(row0, BLOCK_N)
+    return row0 + tl.arange(0, BLOCK_N), tmask
 
 
 @triton.jit
@@ -181,7 +209,7 @@ def _split_kernel(q_ptr, q_sb, q_st, q_sh, qpos_ptr,
                   KBITS: tl.constexpr, VBITS: tl.constexpr, KROW_WORDS: tl.constexpr, VROW_WORDS: tl.constexpr,
                   K_NWORDS: tl.constexpr, V_NWORDS: tl.constexpr, K_LOG_B: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
-                  ALIGNED: tl.constexpr, KSYM: tl.constexpr, VSYM: tl.constexpr):
+                  ALIGNED: tl.constexpr, KSYM: tl.constexpr, VSYM: tl.constexpr, PREFETCH: tl.constexpr):
     """Partial attention of one (sequence, KV head, split); split S is the band. Workspace (fp32):
     ``ws[b, h, s] = (m (M_PAD,), l (M_PAD,), acc (M_PAD, D_PAD))``."""
     b = tl.program_id(0).to(tl.int64)
@@ -210,29 +238,42 @@ def _split_kernel(q_ptr, q_sb, q_st, q_sh, qpos_ptr,
         end = tl.minimum(start + CHUNK, n)
         if CAUSAL:
             pos0 = tl.load(encpos_ptr + b)
+        # software pipeline: the next tile's page entry, norms and code words are loaded before
+        # the current tile is dequantized, so their memory latency overlaps the arithmetic
+        row, tmask = _tile_rows(bt_ptr, b, bt_stride, start, end, H, h, P, BLOCK_N, ALIGNED)
+        kn = tl.load(kn_ptr + row, mask=tmask, other=0.0)
+        vn = tl.load(vn_ptr + row, mask=tmask, other=0.0)
+        kw0, kw1, kw2 = _load_words(kc_ptr, row, tmask, KBITS, KROW_WORDS, K_NWORDS, D_PAD)
+        vw0, vw1, vw2 = _load_words(vc_ptr, row, tmask, VBITS, VROW_WORDS, V_NWORDS, D_PAD)
         for t0 in range(start, end, BLOCK_N):
-            # a tile never crosses a page (P is a multiple of BLOCK_N, or the sequence has one page)
             t = t0 + tl.arange(0, BLOCK_N)
-            tmask = t < end
-            page = tl.load(bt_ptr + b * bt_stride + t0 // P).to(tl.int64)
-            row0 = (page * H + h) * P + t0 % P
-            if ALIGNED:
-                row0 = tl.multiple_of(row0, BLOCK_N)
-            row = row0 + tl.arange(0, BLOCK_N)
-            kn = tl.load(kn_ptr + row, mask=tmask, other=0.0).to(tl.float32)
-            vn = tl.load(vn_ptr + row, mask=tmask, other=0.0).to(tl.float32)
-            kc, ksh = _codes_tile(kc_ptr, row, tmask, KBITS, KROW_WORDS, K_NWORDS, BLOCK_N, D_PAD, KSYM)
+            cur_mask = tmask
+            cur_kn = kn.to(tl.float32)
+            cur_vn = vn.to(tl.float32)
+            kc, ksh = _unpack(kw0, kw1, kw2, KBITS, BLOCK_N, D_PAD, KSYM)
+            vc, vsh = _unpack(vw0, vw1, vw2, VBITS, BLOCK_N, D_PAD, VSYM)
+            if PREFETCH:
+                row, tmask = _tile_rows(bt_ptr, b, bt_stride, t0 + BLOCK_N, end, H, h, P, BLOCK_N, ALIGNED)
+                kn = tl.load(kn_ptr + row, mask=tmask, other=0.0)
+                vn = tl.load(vn_ptr + row, mask=tmask, other=0.0)
+                kw0, kw1, kw2 = _load_words(kc_ptr, row, tmask, KBITS, KROW_WORDS, K_NWORDS, D_PAD)
+                vw0, vw1, vw2 = _load_words(vc_ptr, row, tmask, VBITS, VROW_WORDS, V_NWORDS, D_PAD)
             klev = _level(kc, ksh, KBITS, KSYM, k0, k1, k2, k3, k4, k5, k6, k7, k8, k9, k10, k11, k12, k13, k14,
                           k15)
-            sc = _dot(klev, tl.trans(q_rot), PREC) * kn[:, None]
-            valid = tmask[:, None]
+            sc = _dot(klev, tl.trans(q_rot), PREC) * cur_kn[:, None]
+            valid = cur_mask[:, None]
             if CAUSAL:
                 valid = valid & ((pos0 + t)[:, None] <= qpos[None, :])
             sc = tl.where(valid, sc, float("-inf"))
-            vc, vsh = _codes_tile(vc_ptr, row, tmask, VBITS, VROW_WORDS, V_NWORDS, BLOCK_N, D_PAD, VSYM)
             vlev = _level(vc, vsh, VBITS, VSYM, v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14,
                           v15)
-            m_i, l_i, acc = _online(m_i, l_i, acc, sc, vlev, vn, PREC)
+            m_i, l_i, acc = _online(m_i, l_i, acc, sc, vlev, cur_vn, PREC)
+            if not PREFETCH:
+                row, tmask = _tile_rows(bt_ptr, b, bt_stride, t0 + BLOCK_N, end, H, h, P, BLOCK_N, ALIGNED)
+                kn = tl.load(kn_ptr + row, mask=tmask, other=0.0)
+                vn = tl.load(vn_ptr + row, mask=tmask, other=0.0)
+                kw0, kw1, kw2 = _load_words(kc_ptr, row, tmask, KBITS, KROW_WORDS, K_NWORDS, D_PAD)
+                vw0, vw1, vw2 = _load_words(vc_ptr, row, tmask, VBITS, VROW_WORDS, V_NWORDS, D_PAD)
     else:
         q = tl.load(q_base + cols[None, :], mask=qmask, other=0.0).to(tl.float32) * scale
         nb = tl.load(blens_ptr + b)
@@ -316,25 +357,42 @@ def row_bytes_for(d: int, bits: int) -> int:
 
 
 def default_blocks(d: int, m_pad: int, bits: int = 4) -> tuple[int, int, int]:
-    """(block_n, block_band, num_warps) for a GPU: 8 warps and a tile of block_n x d_pad dequantized
-    codes, 16384 codes at <= 2 bits and 8192 above (halved for more than 16 query rows), at most 128
-    tokens: the widest tiles with no register spills on sm_90 (every benchmark configuration is
-    checked by ``tests/gpu/test_static_report.py``); wider tiles amortize the per-tile softmax and
-    layout conversions. ``bits`` is the wider of K and V.
+    """(block_n, block_band, num_warps) for a GPU: 4 warps and a tile of block_n x d_pad dequantized
+    codes: 16384 codes at <= 2 bits, 4096 at 3 bits (its 64-bit unpacking needs more registers), 8192
+    at 4 bits; halved for more than 16 query rows and for head_dim > 128; at most 128 tokens.
+    ``bits`` is the wider of K and V.
+
+    Measured on an H200 with Triton 3.6 (``gpu/sweep.py``; results/gpu/sweep_nvidia_h200*.json;
+    head_dim 128, GQA 4, 32K tokens, batch 1 and 16): the earlier 8-warp programs were latency-bound
+    (one program per SM at 180 registers a thread: 12.5 % occupancy, 36 % of issue slots busy under
+    ncu, results/gpu/ncu_split_kernel_h200.txt); 4 warps took 0.67-0.73x their time at 4 bits (64-token
+    tiles) and, with prefetching (``launch_paged``), 0.61-0.79x at 2 bits (128-token tiles; 64-token
+    tiles took 1.6x longer, 32-token ones 1.9x). At 3 bits 32-token tiles match the 8-warp 64-token
+    ones (larger 4-warp tiles spill). Spills: none under Triton 3.6 except 24 B at 4 bits, head_dim
+    128; Triton 3.9 (the CI toolchain of ``tests/gpu/test_static_report.py``) spills up to 228 B in
+    the 2-bit, head_dim-128 prefetching tile and nowhere else.
 
     Interpreter: one large tile (few Python-level steps)."""
     if interpreting():
         return 256, 128, 4
     dp = triton.next_power_of_2(d)
-    codes = (16384 if bits <= 2 else 8192) // (1 if m_pad <= 16 else 2)
+    codes = 16384 if bits <= 2 else 4096 if bits == 3 else 8192
+    codes = codes // (1 if m_pad <= 16 else 2) // (2 if dp >= 256 else 1)
     bn = max(16, min(128, codes // dp))
-    return bn, min(bn, 64), 8
+    return bn, min(bn, 64), 4
 
 
 def launch_paged(q, kc, kn, vc, vn, block_table, seq_lens, band_k, band_v, band_lens, kparams, vparams,
                  *, out, scale, plan, q_pos=None, enc_pos0=None, band_pos=None, block_band, num_warps, prec,
-                 workspace=None):
-    """Launch split + merge (checked inputs; see ``gpu.triton.attention.paged_decode_attention``)."""
+                 workspace=None, prefetch=None, num_stages=None):
+    """Launch split + merge (checked inputs; see ``gpu.triton.attention.paged_decode_attention``).
+
+    ``prefetch`` (tuning): load tile i + 1's page entry, norms and words before dequantizing tile i,
+    or (False) after it, right before their use. Default (None): prefetch when K and V have at most
+    2 bits. On an H200 (results/gpu/sweep_nvidia_h200.json, 4 warps) prefetching took 0.77x (batch
+    16) and 0.88x (batch 1) the time at 2 bits, 0.97-1.0x at 3 bits and 1.2-1.33x at 4 bits, whose
+    prefetched words hold twice the registers. ``num_stages``: Triton's pipelining depth for the
+    split kernel's loop (None: Triton's default). Neither changes a result."""
     B, T, H, G, D = q.shape
     m_pad = max(16, triton.next_power_of_2(T * G))
     d_pad = max(32 if 3 in (kparams.bits, vparams.bits) else 16, triton.next_power_of_2(D))
@@ -355,7 +413,8 @@ def launch_paged(q, kc, kn, vc, vn, block_table, seq_lens, band_k, band_v, band_
         KROW_WORDS=kc.shape[3] // 4, VROW_WORDS=vc.shape[3] // 4, K_NWORDS=row_words(D, kparams.bits),
         V_NWORDS=row_words(D, vparams.bits), K_LOG_B=kparams.log_b, BLOCK_N=plan.block_n, BLOCK_B=block_band,
         CAUSAL=causal, PREC=prec, ALIGNED=kc.shape[2] % plan.block_n == 0, KSYM=kparams.sym, VSYM=vparams.sym,
-        num_warps=num_warps)
+        PREFETCH=max(kparams.bits, vparams.bits) <= 2 if prefetch is None else bool(prefetch),
+        num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}))
     _merge_kernel[(B, H)](workspace, out, out.stride(0), out.stride(1), out.stride(2), vparams.perm,
                           vparams.signs, H, S, vparams.inv_sqrt_b, T=T, G=G, D=D, M_PAD=m_pad, D_PAD=d_pad,
                           V_LOG_B=vparams.log_b, num_warps=4)

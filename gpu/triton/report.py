@@ -106,7 +106,8 @@ def build_split(cfg: Config, block_n: int | None = None, num_warps: int | None =
              "K_NWORDS": paged.row_words(cfg.d, cfg.kbits), "V_NWORDS": paged.row_words(cfg.d, cfg.vbits),
              "K_LOG_B": (cfg.d & -cfg.d).bit_length() - 1, "BLOCK_N": block_n, "BLOCK_B": block_b,
              "CAUSAL": False, "PREC": cfg.prec, "ALIGNED": True,
-             "KSYM": cfg.kbits == 4, "VSYM": cfg.vbits == 4}  # kernel_params: symmetric 4-bit tables
+             "KSYM": cfg.kbits == 4, "VSYM": cfg.vbits == 4,  # kernel_params: symmetric 4-bit tables
+             "PREFETCH": max(cfg.kbits, cfg.vbits) <= 2}  # launch_paged's default
     ptr = {"q_ptr": "*fp16", "qpos_ptr": "*i32", "kc_ptr": "*i32", "vc_ptr": "*i32", "kn_ptr": f"*{cfg.norm_dtype}",
            "vn_ptr": f"*{cfg.norm_dtype}", "bt_ptr": "*i32", "lens_ptr": "*i32", "encpos_ptr": "*i32",
            "bk_ptr": "*fp16", "bv_ptr": "*fp16", "blens_ptr": "*i32", "bpos_ptr": "*i32", "kperm_ptr": "*i32",

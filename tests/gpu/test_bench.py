@@ -21,7 +21,8 @@ def test_bench_dry_run_writes_complete_json(tmp_path):
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "bench_dryrun.json").read_text())
-    assert result["dry_run"] is True and result["met"] is None
+    assert result["dry_run"] is True and result["met"] is None and result["complete"] is True
+    assert not list(tmp_path.glob("*.tmp"))  # written through a temp file and a rename
     assert [c["bits"] for c in result["checks"]] == [2, 4]
     for c in result["checks"]:
         assert c["codes_bit_exact"] and c["append_bit_exact"] and c["ok"]
@@ -38,3 +39,18 @@ def test_bench_dry_run_writes_complete_json(tmp_path):
     assert [a["bits"] for a in result["append"]] == [2, 4]
     assert all(a["tokens"] == 16 and a["fraction_of_copy_bandwidth"] > 0 for a in result["append"])
     assert result["copy_bandwidth_gbs"] > 0 and result["targets"]["speedup_vs_sdpa_2bit"] == 5.0
+
+
+def test_sweep_dry_run_reports_every_variant(tmp_path):
+    """gpu/sweep.py's plan on the CPU interpreter: every variant checked against the default and timed."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "gpu/sweep.py", "--dry-run", "--bits", "2", "--batches", "1",
+                           "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "sweep_dryrun.json").read_text())
+    from gpu.sweep import VARIANTS
+    assert result["complete"] is True and [r["variant"] for r in result["rows"]] == [v[0] for v in VARIANTS]
+    for r in result["rows"]:
+        assert "error" not in r, r
+        assert r["rel_diff_vs_default"] < 1e-3 and r["seconds"] > 0 and r["relative_time"] > 0
+    assert result["rows"][0]["relative_time"] == 1.0

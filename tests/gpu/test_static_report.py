@@ -4,7 +4,8 @@
 with the specialization a real launch gets, in one child process with ``TRITON_INTERPRET=0``; the
 rows are computed once per test session (27 configurations: 2/3/4-bit K/V x head_dim 64/128/256 x
 GQA group 1/4/8, compiled by a worker pool: 81 s cold, 35 s with a warm Triton cache, on two busy
-cores). The test fails if a configuration spills registers, if the encoded-token loop loads codes
+cores). The test fails if a configuration spills registers (but for one measured exception,
+``SPILL_ALLOWED``), if the encoded-token loop loads codes
 in bytes, or if the 2- and 4-bit loops lose their vector loads.
 """
 
@@ -31,11 +32,19 @@ def test_every_benchmark_config_is_reported(report):
                                                              for g in (1, 4, 8)}
 
 
+# The one allowed spill (gpu.triton.paged.default_blocks): the 2-bit, head_dim-128 prefetching tile of
+# 128 tokens was the fastest measured on an H200 (0.61x the time of 64-token tiles, which do not spill)
+# and does not spill under the device's Triton 3.6 (242 registers); Triton 3.9 spills up to 228 B there.
+SPILL_ALLOWED = {(128, 2, 2): 256}  # (head_dim, K bits, V bits) -> bytes
+
+
 def test_no_spills_anywhere(report):
     for r in report:
-        print(f"{r['config'].label}: block_n {r['block_n']}, {r['num_warps']} warps, {r['n_regs']} regs, "
-              f"loop {r['loop_sass']} SASS/warp, loads by bytes {r['loop_loads']}")
-        assert r["n_regs"] <= 255 and r["spill_stores"] == 0 and r["spill_loads"] == 0, r
+        c = r["config"]
+        print(f"{c.label}: block_n {r['block_n']}, {r['num_warps']} warps, {r['n_regs']} regs, "
+              f"spills {r['spill_stores']} B, loop {r['loop_sass']} SASS/warp, loads by bytes {r['loop_loads']}")
+        allowed = SPILL_ALLOWED.get((c.d, c.kbits, c.vbits), 0)
+        assert r["n_regs"] <= 255 and r["spill_stores"] <= allowed and r["spill_loads"] <= allowed, r
 
 
 def test_inner_loop_loads_words_and_vectors(report):

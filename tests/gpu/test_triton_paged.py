@@ -166,6 +166,38 @@ def test_paged_varying_lengths_shuffled_pages_and_appends():
             assert np.all(err <= mse_tolerance(qq, qc, kq, vq, 1 / math.sqrt(d)))
 
 
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_tuning_variants_change_no_result(bits):
+    """The schedules of ``gpu/sweep.py`` (prefetching the next tile or not, Triton's pipelining depth,
+    tile and warp counts) give the same output as the default and stay within the fp16-tier bound of
+    kvq_ref: sequences of 75 and 37 tokens over tiles of 16 (a partial last tile, a next tile past
+    the end). Prefetching reorders loads only, so it is bit-identical."""
+    from gpu.sweep import VARIANTS, run_variant
+
+    d, H, G = 64, 2, 4
+    kq, vq = TurboQuantMSE(d, bits, seed=3), TurboQuantMSE(d, bits, seed=4)
+    kt = table(d, bits)
+    rng = np.random.default_rng(bits)
+    K, V = rng.standard_normal((2, 2, 75, H, d)).astype(np.float32)
+    cache = _shuffled_cache(kq, vq, 2, H, 5, 16, seed=2)
+    _fill(cache, K, V, kt, kt, (75,))
+    cache.seq_lens.copy_(torch.tensor([75, 37], dtype=torch.int32))
+    q = torch.from_numpy((2 * rng.standard_normal((2, 1, H, G, d))).astype(np.float32)).to(DEV)
+    by_name = {v[0]: v for v in VARIANTS}
+    outs = {name: run_variant(q, cache, kt, by_name[name], 75).cpu().numpy()
+            for name in ("default", "prefetch", "no_prefetch", "stages1", "bn64_w2")}
+    np.testing.assert_array_equal(outs["prefetch"], outs["no_prefetch"])
+    np.testing.assert_array_equal(outs["default"], outs["prefetch" if bits <= 2 else "no_prefetch"])
+    for b, n in enumerate((75, 37)):
+        for h in range(H):
+            qc = QuantizedKV.build(K[b, :n, h].astype(np.float64), V[b, :n, h].astype(np.float64), kq, vq,
+                                   sink=0, window=0)
+            qq = q[b, 0, h].cpu().numpy().astype(np.float64)
+            tol = mse_tolerance(qq, qc, kq, vq, 1 / math.sqrt(d), u=U16_DOT)
+            for out in outs.values():
+                assert np.all(np.abs(out[b, 0, h] - attention_decode(qq, qc)).max(axis=1) <= tol)
+
+
 def _sliding(dtype, n=20, sink=2, window=6, d=64, H=2, G=2, T=1, seed=0):
     """A sliding-window cache fed token by token: positions < sink and the last window positions in
     the band (ring slots wrap twice for n=20), positions in between appended to pages as they leave
