@@ -27,6 +27,9 @@ replay; the median over the repetitions is reported (a call slower than 0.5 s st
 Cache contents for timing are random codes and norms (the kernels' time does not depend on values;
 correctness is step 2's job).
 
+Targets (``TARGETS``) are judged against the reference bandwidth: the larger of the copy bandwidth
+and the fastest FlashAttention read of the run (``_add_reference_bandwidth``).
+
 Results: ``results/gpu/bench_<device>.json`` (``bench_dryrun.json`` for --dry-run).
 """
 
@@ -43,8 +46,8 @@ import sys
 import time
 from pathlib import Path
 
-TARGETS = {"fraction_of_copy_bandwidth_at_32k_plus": 0.7, "speedup_vs_sdpa_4bit": 3.0,
-           "speedup_vs_sdpa_2bit": 5.0, "append_fraction_of_copy_bandwidth": 0.5}
+TARGETS = {"fraction_of_reference_bandwidth_at_32k_plus": 0.7, "speedup_vs_sdpa_4bit": 3.0,
+           "speedup_vs_sdpa_2bit": 5.0, "append_fraction_of_reference_bandwidth": 0.5}
 
 
 def _parse(argv):
@@ -175,6 +178,20 @@ def _random_paged(q, batch, heads, n, page, dev):
     return c
 
 
+def _add_reference_bandwidth(result: dict) -> None:
+    """The bandwidth the targets are judged against: the larger of the measured copy bandwidth and the
+    fastest fp16 FlashAttention read of the run. (On the first H200 run a 1 GiB byte copy measured
+    2.76 TB/s while FlashAttention read 4.3-4.6 TB/s, so the copy alone flattered the kernels.) Adds
+    ``reference_bandwidth_gbs`` and each decode/append row's ``fraction_of_reference_bandwidth``."""
+    import math
+
+    fa = [r["sdpa_bandwidth_gbs"] for r in result["decode"] if math.isfinite(r["sdpa_bandwidth_gbs"])]
+    ref = max([result["copy_bandwidth_gbs"], *fa])
+    result["reference_bandwidth_gbs"] = ref
+    for r in result["decode"] + result["append"]:
+        r["fraction_of_reference_bandwidth"] = r["bandwidth_gbs"] / ref
+
+
 def main(argv=None) -> dict:
     args = _parse(argv)
     if args.dry_run:
@@ -278,21 +295,23 @@ def main(argv=None) -> dict:
                                  "fraction_of_copy_bandwidth": moved / t / 1e9 / result["copy_bandwidth_gbs"]})
         save()
         del cache, k, v
+    _add_reference_bandwidth(result)
     long = [r for r in result["decode"] if r["context"] >= 32768]
     result["met"] = None if not cuda else {
-        "bandwidth": all(r["fraction_of_copy_bandwidth"] >= 0.7 for r in long),
+        "bandwidth": all(r["fraction_of_reference_bandwidth"] >= 0.7 for r in long),
         "speedup_4bit": all(r["speedup_vs_sdpa"] >= 3.0 for r in long if r["bits"] == 4),
         "speedup_2bit": all(r["speedup_vs_sdpa"] >= 5.0 for r in long if r["bits"] == 2),
-        "append": all(r["fraction_of_copy_bandwidth"] >= 0.5 for r in result["append"])}
+        "append": all(r["fraction_of_reference_bandwidth"] >= 0.5 for r in result["append"])}
     save()
-    print(f"device {result['device']}: copy {result['copy_bandwidth_gbs']:.1f} GB/s; checks passed; wrote {path}")
+    print(f"device {result['device']}: copy {result['copy_bandwidth_gbs']:.1f} GB/s, reference "
+          f"{result['reference_bandwidth_gbs']:.1f} GB/s; checks passed; wrote {path}")
     for r in result["decode"]:
         print(f"  batch {r['batch']:>2} ctx {r['context']:>6} {r['bits']} bits: {r['seconds'] * 1e6:9.1f} us, "
-              f"{r['fraction_of_copy_bandwidth'] * 100:5.1f} % of copy bw, x{r['speedup_vs_sdpa']:.2f} vs fp16 FA "
+              f"{r['fraction_of_reference_bandwidth'] * 100:5.1f} % of ref bw, x{r['speedup_vs_sdpa']:.2f} vs fp16 FA "
               f"({r['sdpa_bandwidth_gbs']:.0f} GB/s)")
     for r in result["append"]:
         print(f"  append {r['bits']} bits: {r['bandwidth_gbs']:.1f} GB/s "
-              f"({r['fraction_of_copy_bandwidth'] * 100:.1f} % of copy bw)")
+              f"({r['fraction_of_reference_bandwidth'] * 100:.1f} % of ref bw)")
     return result
 
 

@@ -39,6 +39,22 @@ def test_bench_dry_run_writes_complete_json(tmp_path):
     assert [a["bits"] for a in result["append"]] == [2, 4]
     assert all(a["tokens"] == 16 and a["fraction_of_copy_bandwidth"] > 0 for a in result["append"])
     assert result["copy_bandwidth_gbs"] > 0 and result["targets"]["speedup_vs_sdpa_2bit"] == 5.0
+    # dry run: no FlashAttention baseline (NaN), so the reference is the copy bandwidth
+    assert result["reference_bandwidth_gbs"] == result["copy_bandwidth_gbs"]
+    for r in result["decode"] + result["append"]:
+        assert r["fraction_of_reference_bandwidth"] == r["bandwidth_gbs"] / result["reference_bandwidth_gbs"]
+
+
+def test_reference_bandwidth_is_the_faster_of_copy_and_flashattention():
+    from gpu.bench import _add_reference_bandwidth
+
+    res = {"copy_bandwidth_gbs": 2760.0, "append": [{"bandwidth_gbs": 100.0}],
+           "decode": [{"bandwidth_gbs": 400.0, "sdpa_bandwidth_gbs": 4300.0},
+                      {"bandwidth_gbs": 200.0, "sdpa_bandwidth_gbs": float("nan")}]}
+    _add_reference_bandwidth(res)
+    assert res["reference_bandwidth_gbs"] == 4300.0
+    assert [r["fraction_of_reference_bandwidth"] for r in res["decode"]] == [400 / 4300, 200 / 4300]
+    assert res["append"][0]["fraction_of_reference_bandwidth"] == 100 / 4300
 
 
 def test_sweep_dry_run_reports_every_variant(tmp_path):
