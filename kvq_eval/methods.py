@@ -190,7 +190,7 @@ def _oscar(layer, head, role, d, tables):
 
 
 def _oscar_official(layer, head, role, d, tables):
-    from ..nova import Oscar
+    from kvq_ref.nova import Oscar
 
     return Oscar(tables.model.head(layer, head), role)
 

@@ -212,3 +212,31 @@ def test_study_methods_in_the_registry():
         assert METHODS[name]["nominal_bits"] == (kb + vb) / 2
     assert {f"{b}-mc" for b in ("tq_mse2", "tq_mse3", "tq_mse4", "tq_split2.5", "tq_split3.5", "quarot2",
                                 "quarot4")} <= set(METHODS)
+
+
+@pytest.fixture(scope="module")
+def small_tables():
+    """Real calibration tables of one layer and one KV head (d = 64, 320 synthetic tokens)."""
+    from codebooks.nova import calibrate
+    from kvq_eval.calib import CalibrationTables
+
+    rng = np.random.default_rng(0)
+    scales = np.exp(rng.normal(0, 0.7, 64))
+    seq = {0: (rng.standard_normal((3, 320, 64)) * scales, rng.standard_normal((1, 320, 64)) * scales,
+               rng.standard_normal((1, 320, 64)))}
+    stats, model = calibrate([seq], 64, iterations=2)
+    return CalibrationTables(model, stats)
+
+
+def test_every_registered_method_builds_and_round_trips(small_tables):
+    """Every name the evaluation can run (make eval's grid included) builds its key and value
+    quantizers at (layer 0, head 0) and encodes/decodes rows to finite values of the same shape.
+    (oscar_official once failed here: a relative import left over from kvq_ref's eval package.)"""
+    from kvq_eval.methods import METHODS, make_spec
+
+    x = np.random.default_rng(1).standard_normal((40, 64))
+    for name, info in METHODS.items():
+        spec = make_spec(name, tables=small_tables if info.get("calibrated") or name.endswith("-mc") else None)
+        for q in (spec.key(0, 0, 64), spec.value(0, 0, 64)):
+            y = q.decode(q.encode(x))
+            assert y.shape == x.shape and np.all(np.isfinite(y)), name
