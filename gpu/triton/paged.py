@@ -238,8 +238,9 @@ def _split_kernel(q_ptr, q_sb, q_st, q_sh, qpos_ptr,
         end = tl.minimum(start + CHUNK, n)
         if CAUSAL:
             pos0 = tl.load(encpos_ptr + b)
-        # software pipeline: the next tile's page entry, norms and code words are loaded before
-        # the current tile is dequantized, so their memory latency overlaps the arithmetic
+        # tile loads are carried across iterations: with PREFETCH the next tile's page entry, norms
+        # and code words are issued before the current tile is dequantized (their memory latency
+        # overlaps the arithmetic, at the cost of the registers holding them); without, after it
         row, tmask = _tile_rows(bt_ptr, b, bt_stride, start, end, H, h, P, BLOCK_N, ALIGNED)
         kn = tl.load(kn_ptr + row, mask=tmask, other=0.0)
         vn = tl.load(vn_ptr + row, mask=tmask, other=0.0)
@@ -367,8 +368,8 @@ def default_blocks(d: int, m_pad: int, bits: int = 4) -> tuple[int, int, int]:
     (one program per SM at 180 registers a thread: 12.5 % occupancy, 36 % of issue slots busy under
     ncu, results/gpu/ncu_split_kernel_h200.txt); 4 warps took 0.67-0.73x their time at 4 bits (64-token
     tiles) and, with prefetching (``launch_paged``), 0.61-0.79x at 2 bits (128-token tiles; 64-token
-    tiles took 1.6x longer, 32-token ones 1.9x). At 3 bits 32-token tiles match the 8-warp 64-token
-    ones (larger 4-warp tiles spill). Spills: none under Triton 3.6 except 24 B at 4 bits, head_dim
+    tiles took 1.6x longer, 32-token ones 1.9x). At 3 bits 4-warp 32-token tiles took 0.87-0.90x the
+    time of the 8-warp 64-token ones (4-warp 64-token tiles spill and took 1.1x). Spills: none under Triton 3.6 except 24 B at 4 bits, head_dim
     128; Triton 3.9 (the CI toolchain of ``tests/gpu/test_static_report.py``) spills up to 228 B in
     the 2-bit, head_dim-128 prefetching tile and nowhere else.
 
