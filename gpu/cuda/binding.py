@@ -24,8 +24,9 @@ strictly below each coordinate; the norm-corrected scale ``||x|| / ||levels[code
 squared levels sequentially too; the scale is rounded once to float16. Squares of float16 and float32 values are exact
 in float64 and the summation order is the reference's, so codes, packed bytes and norms are
 bit-identical to kvq_ref for float16 and float32 inputs alike. ``decode_attention`` works in
-float32 (float32 levels, float16 norms and band rows) and matches ``kvq_ref.attention.
-attention_decode`` to float32 rounding (tolerances in ``tests/gpu/test_cuda.py``).
+float32 (float32 levels, float16 norms and band rows; float16/bfloat16 queries are widened exactly
+and the output rounded once to their dtype) and matches ``kvq_ref.attention.attention_decode`` to
+float32 rounding (tolerances in ``tests/gpu/test_cuda.py``).
 """
 
 from __future__ import annotations
@@ -454,8 +455,10 @@ def decode_attention(q, k_codes, k_norms, v_codes, v_norms, key_method: TurboQua
 
     Parameters
     ----------
-    q : torch.Tensor, float32, shape (G, h, d) or (h, d)
+    q : torch.Tensor, float16, bfloat16 or float32, shape (G, h, d) or (h, d)
         Queries (original domain), h per KV group (a GQA group); without G, the caches have no G axis.
+        The kernels work in float32: a 16-bit q is widened exactly here, and the output is rounded
+        once to q's dtype (round to nearest even) after the float32 result.
     k_codes, v_codes : torch.Tensor, uint8, shape (G, n_mid, ceil(d * bits / 8))
     k_norms, v_norms : torch.Tensor, float16, shape (G, n_mid)
     key_method, value_method : kvq_ref.turboquant.TurboQuantMSE
@@ -470,13 +473,14 @@ def decode_attention(q, k_codes, k_norms, v_codes, v_norms, key_method: TurboQua
 
     Returns
     -------
-    torch.Tensor, float32, shape of q
+    torch.Tensor, q's dtype, shape of q
     """
     import torch
 
     _check_mse("key_method", key_method)
     _check_mse("value_method", value_method)
-    q = _tensor("q", q, ("torch.float32",))
+    q = _tensor("q", q, ("torch.float32", "torch.float16", "torch.bfloat16"))
+    out_dtype = q.dtype
     if q.ndim not in (2, 3):
         raise ValueError(f"q must be (G, h, d) or (h, d), got shape {tuple(q.shape)}")
     grouped = q.ndim == 3
@@ -485,6 +489,7 @@ def decode_attention(q, k_codes, k_norms, v_codes, v_norms, key_method: TurboQua
     if key_method.dim != d or value_method.dim != d:
         raise ValueError(f"q has d={d}, the methods have dim {key_method.dim} and {value_method.dim}")
     _finite("q", q)
+    q3 = q3.float().contiguous()  # exact for float16/bfloat16
     dev = q.device
 
     def cache(name, t, dtypes):
@@ -531,4 +536,5 @@ def decode_attention(q, k_codes, k_norms, v_codes, v_norms, key_method: TurboQua
                 n_band, _ptr(band_k), _ptr(band_v), _ptr(vrot["signs1"]), _ptr(vrot["signs2"]),
                 _ptr(vrot["inv_perm"]), vrot["block"], sm_scale, plan.splits, plan.chunk, _ptr(workspace),
                 _ptr(out))
+    out = out.to(out_dtype)
     return out if grouped else out[0]

@@ -217,6 +217,24 @@ def test_decode_attention_splits_match_kvq_ref(device, splits, h):
     assert np.abs(got - ref).max() <= ATTN_TOL * np.abs(ref).max()
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_decode_attention_takes_16_bit_queries(device, dtype):
+    """A 16-bit q is widened exactly and the float32 result rounded once to q's dtype: the output
+    equals the float32 path's output on the same (16-bit-representable) values, rounded."""
+    d, G, h = 64, 2, 4
+    km, vm = TurboQuantMSE(d, 3, seed=5), TurboQuantMSE(d, 2, seed=6)
+    caches = _cache(G, 150, d, 2, 8, km, vm, seed=3)
+    mid, band = _tensors(caches, d, km, vm, device)
+    q16 = torch.from_numpy(np.random.default_rng(4).standard_normal((G, h, d)) * 2.0).to(dtype).to(device)
+    out = decode_attention(q16, *mid, km, vm, **band)
+    want = decode_attention(q16.float(), *mid, km, vm, **band)
+    assert out.dtype == dtype and out.shape == (G, h, d)
+    assert torch.equal(out, want.to(dtype))
+    ref = np.stack([attention_decode(q16.float().cpu().numpy()[g].astype(np.float64), caches[g]) for g in range(G)])
+    u = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-11  # half an output ulp, relative
+    assert np.abs(out.float().cpu().numpy() - ref).max() <= (ATTN_TOL + u) * np.abs(ref).max()
+
+
 # ---- validation before launch (no GPU, no compiler) ---------------------------------------------
 @pytest.fixture
 def no_launch(monkeypatch):
@@ -279,7 +297,7 @@ def test_bad_arguments_refused_before_launch(no_launch):
     for change, err, msg in [
         ({"k_codes": torch.zeros((2, 6, 24), dtype=torch.uint8)}, ValueError, r"k_codes must have shape \(2, 6, 16\)"),
         ({"v_norms": torch.zeros((2, 5), dtype=torch.float16)}, ValueError, "v_norms must have shape"),
-        ({"q": torch.zeros((2, 3, 64), dtype=torch.float16)}, TypeError, "float32"),
+        ({"q": torch.zeros((2, 3, 64), dtype=torch.float64)}, TypeError, "float32 or torch.float16"),
         ({"q": torch.zeros((2, 3, 96))}, ValueError, "d=96"),
         ({"k_norms": torch.zeros((2, 6))}, TypeError, "float16"),
         ({"value_method": TurboQuantMSE(64, 3, norm_dtype="float32")}, ValueError, "float16 norms"),
