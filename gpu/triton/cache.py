@@ -60,6 +60,34 @@ def _append_kernel(x_ptr, codes_ptr, norms_ptr, bt_ptr, bt_stride, lens_ptr, T, 
     tl.store(norms_ptr + dst, scale.to(norms_ptr.dtype.element_ty), mask=rmask)
 
 
+@triton.jit
+def _band_kernel(k_ptr, v_ptr, pos_ptr, bk_ptr, bv_ptr, bpos_ptr, blens_ptr, T, H, C, sink, window,
+                 D: tl.constexpr, D_PAD: tl.constexpr, H_PAD: tl.constexpr, RING: tl.constexpr):
+    """Program (b, t): rows ``k[b, t], v[b, t]`` (H, D) to band slot ``s`` of sequence b, every KV head;
+    ``band_pos[b, s] = p``; ``band_lens[b] = max(band_lens[b], min(sink + window, p + 1))``. Slot: ``p``
+    if ``p < sink``, else ``sink + (p - sink) % window``; without a ring (RING false: ``window == 0``)
+    a position past the sink has no slot and is not stored."""
+    b = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1)
+    one = tl.arange(0, 1)
+    p = tl.load(pos_ptr + b * T + t + one)  # (1,): masks stay tensors under the interpreter too
+    if RING:
+        slot = tl.where(p < sink, p, sink + (p - sink) % window)
+        keep = p >= 0
+    else:
+        slot = p
+        keep = p < sink
+    hh = tl.arange(0, H_PAD)
+    cc = tl.arange(0, D_PAD)
+    m = (hh < H)[:, None, None] & (cc < D)[None, :, None] & keep[None, None, :]
+    src = ((b * T + t) * H + hh)[:, None, None] * D + cc[None, :, None]
+    dst = ((b * H + hh)[:, None, None] * C + slot[None, None, :]) * D + cc[None, :, None]
+    tl.store(bk_ptr + dst, tl.load(k_ptr + src, mask=m, other=0.0).to(bk_ptr.dtype.element_ty), mask=m)
+    tl.store(bv_ptr + dst, tl.load(v_ptr + src, mask=m, other=0.0).to(bv_ptr.dtype.element_ty), mask=m)
+    tl.store(bpos_ptr + b * C + slot, p.to(tl.int32), mask=keep)
+    tl.atomic_max(blens_ptr + b + one * 0, tl.minimum(p + 1, sink + window).to(tl.int32))
+
+
 @dataclass(frozen=True)
 class PagedKVCache:
     """Device tensors of a paged cache (see the module docstring for the layout).
@@ -187,10 +215,12 @@ def append_encoded(cache: PagedKVCache, k, v, ktable, vtable, block_rows=None):
 
 
 def append_band(cache: PagedKVCache, k, v, positions, sink: int, window: int):
-    """Write 16-bit rows ``k, v (B, T, H, d)`` at token ``positions (B, T)`` (int) into the band: a
+    """Write 16-bit rows ``k, v (B, T, H, d)`` at token ``positions (B, T)`` (int, >= 0) into the band: a
     position ``p < sink`` goes to slot ``p``, a later one to ring slot ``sink + (p - sink) % window``
-    (overwriting the token ``window`` positions older). ``band_lens`` becomes
-    ``min(sink + window, max position + 1)``. Device tensor ops only (no host sync).
+    (overwriting the token ``window`` positions older; with ``window = 0`` it is not stored).
+    ``band_lens`` becomes ``max(band_lens, min(sink + window, max position + 1))``. One fused kernel
+    (``_band_kernel``, grid (B, T)), no host sync. The positions of one call must take distinct
+    slots (at most ``window`` of them past the sink), as in a decode step or a prefill chunk.
     """
     _check_rows("k", k, cache)
     _check_rows("v", v, cache)
@@ -198,14 +228,14 @@ def append_band(cache: PagedKVCache, k, v, positions, sink: int, window: int):
         raise ValueError(f"sink + window must be in 1..{cache.band_k.shape[2]} (band capacity), got {sink}+{window}")
     if not isinstance(positions, torch.Tensor) or positions.shape != k.shape[:2]:
         raise ValueError(f"positions must be a tensor of shape {tuple(k.shape[:2])}")
-    pos = positions.to(device=k.device, dtype=torch.int64)
-    slot = torch.where(pos < sink, pos, sink + (pos - sink) % max(window, 1))
-    bidx = torch.arange(cache.batch, device=k.device)[:, None].expand_as(slot)
-    cache.band_k[bidx, :, slot] = k.to(cache.band_k.dtype)
-    cache.band_v[bidx, :, slot] = v.to(cache.band_v.dtype)
-    cache.band_pos[bidx, slot] = pos.to(torch.int32)
-    top = torch.clamp(pos.max(dim=1).values + 1, max=sink + window).to(torch.int32)
-    torch.maximum(cache.band_lens, top, out=cache.band_lens)
+    if positions.dtype.is_floating_point or positions.dtype == torch.bool:
+        raise TypeError(f"positions must be an integer tensor, got {positions.dtype}")
+    B, T, H, d = k.shape
+    if B * T:
+        pos = positions.to(device=k.device, dtype=torch.int64).contiguous()
+        _band_kernel[(B, T)](k.contiguous(), v.contiguous(), pos, cache.band_k, cache.band_v, cache.band_pos,
+                             cache.band_lens, T, H, cache.band_k.shape[2], sink, window, D=d,
+                             D_PAD=triton.next_power_of_2(d), H_PAD=triton.next_power_of_2(H), RING=window > 0)
     return cache
 
 

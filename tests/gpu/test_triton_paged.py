@@ -267,6 +267,23 @@ def test_query_that_sees_nothing_gets_zero_not_nan():
     assert torch.all(out == 0) and not torch.isnan(out).any()
 
 
+def test_band_without_a_ring_keeps_only_the_sink():
+    """window = 0: positions past the sink have no slot (not stored, no length past the sink); the
+    sink rows land in slots 0..sink-1 as given (float32 rows rounded to the band's float16)."""
+    d, H = 64, 2
+    kq = TurboQuantMSE(d, 2, seed=1)
+    cache = _shuffled_cache(kq, kq, 1, H, 1, 16, seed=0, band_capacity=4)
+    rng = np.random.default_rng(0)
+    k, v = (torch.from_numpy(rng.standard_normal((1, 6, H, d)).astype(np.float32)).to(DEV) for _ in range(2))
+    append_band(cache, k, v, torch.arange(6).reshape(1, 6), sink=4, window=0)
+    assert cache.band_lens.tolist() == [4]
+    assert cache.band_pos[0, :4].tolist() == [0, 1, 2, 3]
+    assert torch.equal(cache.band_k[0, :, :4].cpu(), k[0, :4].transpose(0, 1).to(torch.float16).cpu())
+    assert torch.equal(cache.band_v[0, :, :4].cpu(), v[0, :4].transpose(0, 1).to(torch.float16).cpu())
+    with pytest.raises(TypeError, match="integer"):
+        append_band(cache, k, v, torch.zeros((1, 6)), sink=4, window=0)
+
+
 def test_paged_refuses_bad_input():
     cache, *_, kt, vt = _sliding(torch.float16, 12, 2, 4, 64, 2, 2)
     q = torch.randn(1, 1, 2, 2, 64, device=DEV)
