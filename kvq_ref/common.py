@@ -268,8 +268,15 @@ class Quantizer(ABC):
 
     @property
     def config(self) -> dict:
-        """The parameters (what ``Encoded.config`` records): the dataclass's init fields."""
-        return {f.name: _plain(getattr(self, f.name)) for f in fields(self) if f.init}
+        """The parameters (what ``Encoded.config`` records): the dataclass's init fields.
+
+        Computed once per instance (the fields are frozen; calibrated tables are identified by a
+        sha256 digest, which is not cheap) and returned as a fresh dict each time."""
+        cached = self.__dict__.get("_config_cache")
+        if cached is None:
+            cached = {f.name: _plain(getattr(self, f.name)) for f in fields(self) if f.init}
+            object.__setattr__(self, "_config_cache", cached)  # not a field: eq, repr, replace ignore it
+        return dict(cached)
 
     @abstractmethod
     def encode(self, x) -> Encoded:

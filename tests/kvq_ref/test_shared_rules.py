@@ -76,3 +76,21 @@ def test_reconstruction_that_overflows_float32_is_refused():
     enc.arrays["gains"][:] = np.float32(3.0e38)  # a valid float32 whose reconstruction is not
     with pytest.raises(ValueError, match="overflows float32"):
         q.decode(enc)
+
+
+def test_config_is_computed_once_and_handed_out_as_a_copy():
+    """``config`` is cached per instance (calibrated tables are hashed) but never shared: a caller
+    mutating its dict changes nothing, equality and ``dataclasses.replace`` ignore the cache."""
+    import dataclasses
+
+    from kvq_ref import TurboQuantMSE
+
+    q = TurboQuantMSE(64, 3, seed=1)
+    c1 = q.config
+    c1["bits"] = 99
+    assert q.config["bits"] == 3 and q.config is not q.config
+    assert q == TurboQuantMSE(64, 3, seed=1)  # the cache is not a field
+    r = dataclasses.replace(q, bits=2)
+    assert r.config["bits"] == 2 and q.config["bits"] == 3
+    enc = q.encode(np.ones((2, 64)))
+    assert enc.config == q.config and r.config != enc.config
