@@ -38,7 +38,7 @@ eval-deps: $(STAMP)
 # RAY=auto (or an address).
 EVAL_OUT := results/eval_v2
 EVAL_RUN  = $(VENV)/bin/kvq-eval run $(if $(RAY),--ray $(RAY)) --out $(EVAL_OUT) --calib-tokens 8192
-EVAL_2TO4 := tq_mse2,tq_mse3,tq_mse4,tq_prod3,tq_prod4,tq_split2.5,tq_split3.5,qjl,polarquant,kivi2,kivi4,quarot2,quarot4,turbo3,turbo4,oscar,nova,quarot2_official,quarot4_official,oscar_official
+EVAL_2TO4 := tq_mse2,tq_mse3,tq_mse4,tq_prod3,tq_prod4,tq_split2.5,tq_split3.5,qjl,polarquant,kivi2,kivi4,quarot2,quarot4,turbo3,turbo4,oscar,nova,quarot2_official,quarot4_official,oscar_official,nova_official
 NEEDLES := --depths 0.1,0.3,0.5,0.7,0.9 --samples 6
 eval: $(STAMP)
 	$(EVAL_RUN) --model smollm2 --methods $(EVAL_2TO4) --band none --band 64,256 --tasks niah $(NEEDLES) --ctx 1024,4096,8192

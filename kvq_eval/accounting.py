@@ -50,6 +50,8 @@ def table_bits(quantizer) -> int:
     if isinstance(quantizer, CenteredKeys):
         return 8 * 4 * len(quantizer.mu) + table_bits(quantizer.inner)
     if isinstance(quantizer, NovaKV):
+        if quantizer.int2 is not None:  # the release's value path: OSCAR INT2 on the nova_value rotation
+            return 8 * 4 * quantizer.dim * quantizer.dim
         arrays = quantizer.head.arrays()
         role = quantizer.role
         return 8 * _nbytes32(a for name, a in arrays.items()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -65,10 +66,25 @@ def token_chunks(tok, text: str, length: int, count: int):
 
 @dataclass(eq=False)  # hashed by identity: method instances are cached per tables object
 class CalibrationTables:
-    """NOVA-KV/OSCAR tables and calibration statistics of a model."""
+    """NOVA-KV/OSCAR tables and calibration statistics of a model.
+
+    ``model`` is calibrated with ``grouping="swap"`` (the settings of the committed ``nova``/``oscar``
+    results); ``official_model()`` is the same calibration with NOVA-KV's release grouping
+    (``"round_robin"``), made on first use by ``official_loader`` and kept.
+    """
 
     model: NovaModel
     stats: CalibrationStats
+    official_loader: Callable[[], NovaModel] | None = None
+
+    def official_model(self) -> NovaModel:
+        """The ``grouping="round_robin"`` NovaModel (NOVA-KV's release default), computed once."""
+        cached = self.__dict__.get("_official")
+        if cached is None:
+            if self.official_loader is None:
+                raise ValueError("these calibration tables have no round_robin calibration (official_loader)")
+            cached = self.__dict__["_official"] = self.official_loader()
+        return cached
 
     def channel_rms(self, layer: int, head: int, role: str) -> np.ndarray:
         """Per-channel RMS of the calibration keys (or score-weighted values): outlier selection."""
@@ -78,16 +94,31 @@ class CalibrationTables:
 
 
 def calibration_tables(model, tok, name: str, sequences: int = 2, length: int = 1024,
-                       iterations: int = 25, seed: int = 0, folder: Path | None = None) -> CalibrationTables:
-    """Calibrate on the fixture's ``calibration`` part (cached by a hash of the settings)."""
+                       iterations: int = 25, seed: int = 0, folder: Path | None = None,
+                       grouping: str = "swap") -> CalibrationTables:
+    """Calibrate on the fixture's ``calibration`` part (cached by a hash of the settings).
+
+    ``folder`` (default: a cache folder named by a hash of the settings) holds the ``"swap"``
+    calibration; ``grouping="swap"`` (default) also attaches the lazily computed ``"round_robin"``
+    one (``CalibrationTables.official_model``), cached in ``<folder>-round_robin``.
+    """
+    if grouping not in ("swap", "round_robin"):
+        raise ValueError(f"grouping must be 'swap' or 'round_robin', got {grouping!r}")
+    # the key of the committed results' (swap) calibration; round_robin lives beside it
     key = hashlib.sha256(f"{name}|{sequences}|{length}|{iterations}|{seed}|v2".encode()).hexdigest()[:12]
-    folder = Path(folder) if folder is not None else cache_dir() / "calibration" / f"{name}-{key}"
+    swap_folder = Path(folder) if folder is not None else cache_dir() / "calibration" / f"{name}-{key}"
+    folder = swap_folder if grouping == "swap" else Path(f"{swap_folder}-{grouping}")
+    loader = None
+    if grouping == "swap":
+        def loader():
+            return calibration_tables(model, tok, name, sequences, length, iterations, seed, swap_folder,
+                                      grouping="round_robin").model
     if (folder / "nova_kv" / "manifest.json").is_file() and (folder / "calibration" / "manifest.json").is_file():
-        return CalibrationTables(NovaModel.load(folder / "nova_kv"), CalibrationStats.load(folder / "calibration"))
+        return CalibrationTables(NovaModel.load(folder / "nova_kv"), CalibrationStats.load(folder / "calibration"),
+                                 loader)
     seqs = [capture(model, ids) for ids in token_chunks(tok, part("calibration"), length, sequences)]
     d = next(iter(seqs[0].values()))[0].shape[-1]
-    # grouping="swap": the settings of the committed NOVA-KV results (calibrate's default is the release's round_robin)
-    stats, nova = calibrate(seqs, d, iterations=iterations, seed=seed, grouping="swap")
+    stats, nova = calibrate(seqs, d, iterations=iterations, seed=seed, grouping=grouping)
     nova.save(folder / "nova_kv")
     stats.save(folder / "calibration")
-    return CalibrationTables(nova, stats)
+    return CalibrationTables(nova, stats, loader)

@@ -14,7 +14,9 @@ chunks of 32 tokens; KIVI's own value window is these 128 tokens, its keys keep 
 rule="uniform", rows="float64")``, ``nova`` = ``NovaKV`` with float16 key gains and VQ values
 (``values="vq"``) on tables calibrated with ``grouping="swap"`` (``calib.py``). The ``*_official`` names are the modules' defaults, which reproduce the
 official code (README "Fidelity"): ``quarot2_official``/``quarot4_official`` (plain Hadamard, INT kernel
-rule, no clip), ``oscar_official``.
+rule, no clip), ``oscar_official``, ``nova_official`` (``NovaKV`` defaults: float32 key gains, values by
+OSCAR's rotation + INT2, on tables calibrated with the release's ``grouping="round_robin"``, made on
+first use beside the swap tables: ``calib.CalibrationTables.official_model``).
 
 A name ``<method>:keys`` (or ``:values``) is the method applied to the keys only (values only), with
 the other half stored exactly (float32) and the method's band kept: it tells which half of the
@@ -183,6 +185,14 @@ def _nova(layer, head, role, d, tables):
     return NovaKV(tables.model.head(layer, head), role, values="vq")
 
 
+def _nova_official(layer, head, role, d, tables):
+    from kvq_ref.nova import NovaKV
+
+    # NovaKV's defaults (float32 key gains, values by OSCAR's rotation + INT2) on the release's
+    # round_robin grouping
+    return NovaKV(tables.official_model().head(layer, head), role)
+
+
 def _oscar(layer, head, role, d, tables):
     from kvq_ref.nova import Oscar
 
@@ -230,6 +240,7 @@ METHODS: dict[str, dict] = {
     "oscar": dict(make=_oscar, sink=64, window=256, nominal_bits=2.28, calibrated=True),
     "oscar_official": dict(make=_oscar_official, sink=64, window=256, nominal_bits=2.5, calibrated=True),
     "nova": dict(make=_nova, sink=64, window=256, nominal_bits=2.22, calibrated=True),
+    "nova_official": dict(make=_nova_official, sink=64, window=256, nominal_bits=2.5, calibrated=True),
 }
 
 METHODS.update(study_methods(METHODS, _seed))  # key-error study: <base>-mc, tq_k4v2, ... (keyopts)

@@ -225,7 +225,19 @@ def small_tables():
     seq = {0: (rng.standard_normal((3, 320, 64)) * scales, rng.standard_normal((1, 320, 64)) * scales,
                rng.standard_normal((1, 320, 64)))}
     stats, model = calibrate([seq], 64, iterations=2)
-    return CalibrationTables(model, stats)
+    return CalibrationTables(model, stats, lambda: calibrate([seq], 64, iterations=2, grouping="round_robin")[1])
+
+
+def test_nova_table_bits_follow_the_value_path(small_tables):
+    """NovaKV values by the release's INT2 path need only the d x d nova_value rotation; VQ values
+    need their transform, groups and centroids (float arrays at 4 bytes, integer arrays at 1)."""
+    from kvq_ref.nova import NovaKV
+
+    head = small_tables.model.head(0, 0)
+    assert table_bits(NovaKV(head, "value")) == 8 * 4 * 64 * 64
+    vq = 8 * (4 * (64 + 64 * 64 + 16 * 256 * 4) + 16 * 4)  # value.mu, value.basis, value.centroids; value.groups
+    assert table_bits(NovaKV(head, "value", values="vq")) == vq
+    assert table_bits(NovaKV(head, "key")) == 8 * (4 * (64 + 2 * 64 * 64 + 16 * 256 * 4) + 16 * 4)
 
 
 def test_every_registered_method_builds_and_round_trips(small_tables):
@@ -240,3 +252,25 @@ def test_every_registered_method_builds_and_round_trips(small_tables):
         for q in (spec.key(0, 0, 64), spec.value(0, 0, 64)):
             y = q.decode(q.encode(x))
             assert y.shape == x.shape and np.all(np.isfinite(y)), name
+
+
+def test_calibration_tables_attach_a_cached_round_robin_calibration(tmp_path, monkeypatch):
+    """The swap calibration (the committed results' key) carries the release's round_robin one,
+    computed on first use into ``<folder>-round_robin`` and read back from there afterwards."""
+    import kvq_eval.calib as calib
+
+    rng = np.random.default_rng(3)
+    seqs = [{0: (rng.standard_normal((3, 300, 64)), rng.standard_normal((1, 300, 64)),
+                 rng.standard_normal((1, 300, 64)))} for _ in range(2)]
+    captured = []
+    monkeypatch.setattr(calib, "token_chunks", lambda tok, text, length, count: list(range(count)))
+    monkeypatch.setattr(calib, "capture", lambda model, i: captured.append(i) or seqs[i])
+    t = calib.calibration_tables(None, None, "toy", length=300, iterations=1, folder=tmp_path / "cal")
+    assert t.model.meta["grouping"] == "swap" and len(captured) == 2
+    rr = t.official_model()
+    assert rr.meta["grouping"] == "round_robin" and t.official_model() is rr and len(captured) == 4
+    assert (tmp_path / "cal-round_robin" / "nova_kv" / "manifest.json").is_file()
+    again = calib.calibration_tables(None, None, "toy", length=300, iterations=1, folder=tmp_path / "cal")
+    assert again.official_model().meta["grouping"] == "round_robin" and len(captured) == 4  # both from disk
+    with pytest.raises(ValueError, match="grouping"):
+        calib.calibration_tables(None, None, "toy", grouping="greedy", folder=tmp_path / "x")
