@@ -57,7 +57,7 @@ def _parse(argv):
     p.add_argument("--variants", default=None, metavar="NAMES",
                    help="comma-separated subset of VARIANTS to time (the default always runs first)")
     p.add_argument("--profile", default=None, metavar="NAMES",
-                   help="comma-separated variants: compile them, then run each once between "
+                   help="comma-separated variants (or 'append'): compile them, then run each once between "
                         "cudaProfilerStart/Stop (for ncu --profile-from-start off) at the first batch and bits; "
                         "no timing, no JSON")
     return p.parse_args(argv)
@@ -101,6 +101,7 @@ def main(argv=None) -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from gpu.bench import Timer, _random_paged
     from gpu.tables import load_device_table
+    from gpu.triton.cache import append_encoded
     from kvq_ref import TurboQuantMSE
 
     cuda = torch.cuda.is_available() and not args.dry_run
@@ -120,18 +121,29 @@ def main(argv=None) -> dict:
                            for v in VARIANTS], "rows": []}
     if args.profile:
         by_name = {v[0]: v for v in VARIANTS}
-        chosen = [by_name[n] for n in args.profile.split(",")]
+        names = args.profile.split(",")
+        unknown = [n for n in names if n != "append" and n not in by_name]
+        if unknown:
+            raise SystemExit(f"--profile: unknown variant(s) {unknown}; known: append, {', '.join(by_name)}")
         batch, bits = int(args.batches.split(",")[0]), int(args.bits.split(",")[0])
         q, table = TurboQuantMSE(d, bits), load_device_table(d, bits, device=dev)
         cache = _random_paged(q, batch, hkv, args.context, page, dev)
         qry = torch.randn(batch, 1, hkv, g, d, device=dev, dtype=torch.float16)
-        for v in chosen:
-            run_variant(qry, cache, table, v, args.context)
+        new_k, new_v = torch.randn(2, batch, 64, hkv, d, device=dev, dtype=torch.float16)
+
+        def once(name):  # "append": 64 new tokens per sequence through the fused quantize-and-append
+            if name == "append":
+                cache.seq_lens.fill_(args.context - 64)
+                append_encoded(cache, new_k, new_v, table, table)
+            else:
+                run_variant(qry, cache, table, by_name[name], args.context)
+        for n in names:  # compile outside the profiled range
+            once(n)
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.profiler.start()
-        for v in chosen:
-            run_variant(qry, cache, table, v, args.context)
+        for n in names:
+            once(n)
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.profiler.stop()

@@ -70,3 +70,20 @@ def test_sweep_dry_run_reports_every_variant(tmp_path):
         assert "error" not in r, r
         assert r["rel_diff_vs_default"] < 1e-3 and r["seconds"] > 0 and r["relative_time"] > 0
     assert result["rows"][0]["relative_time"] == 1.0
+
+
+def test_device_scripts_parse_and_select_tests():
+    """gpu/check_device.sh and gpu/diagnose_device.sh are valid bash, and every pytest selection in
+    them still selects tests (a renamed test would silently drop out of the device check)."""
+    import re
+
+    for script in ("gpu/check_device.sh", "gpu/diagnose_device.sh"):
+        text = (ROOT / script).read_text()
+        assert subprocess.run(["bash", "-n", script], cwd=ROOT).returncode == 0, script
+        selections = re.findall(r"(tests/gpu/\S+\.py)[^\n]*\n?\s*-k \"([^\"]+)\"", text)
+        assert selections, script
+        for path, expr in selections:
+            proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                                   path, "-k", expr], cwd=ROOT, capture_output=True, text=True, timeout=300)
+            assert re.search(r"\d+/\d+ tests collected|\d+ tests? collected", proc.stdout), (script, expr, proc.stdout)
+            assert " 0 selected" not in proc.stdout and "no tests ran" not in proc.stdout, (script, expr)
