@@ -386,7 +386,8 @@ def _lloyd_starts(values: np.ndarray, probs: np.ndarray, k: int) -> list:
 
 def _solve_empirical(density: Empirical, bits: int, tol: float, max_iter: int) -> Codebook:
     """Exact (dynamic programming) when ``K (n + 1) <= DP_MAX_CELLS``, then one Lloyd pass to settle
-    ties on the midpoint partition; else the lowest-distortion of three Lloyd runs (_lloyd_starts)."""
+    ties on the midpoint partition (and a Lloyd run from quantile starts as a guard: the lower
+    distortion is kept); else the lowest-distortion of three Lloyd runs (_lloyd_starts)."""
     values, probs = density.values, density.probs
     k = 2**bits
     if k > values.size:
@@ -394,22 +395,26 @@ def _solve_empirical(density: Empirical, bits: int, tol: float, max_iter: int) -
             f"bits={bits} needs at least 2**bits={k} distinct sample values; "
             f"the Empirical density has {values.size}"
         )
+    starts = _lloyd_starts(values, probs, k)
     if k * (values.size + 1) <= DP_MAX_CELLS:
-        starts = _dp_partition(values, probs, k)
-        sums0 = np.add.reduceat(probs, starts[:-1])
-        sums1 = np.add.reduceat(probs * values, starts[:-1])
-        inits, solver = [np.clip(sums1 / sums0, values[starts[:-1]], values[starts[1:] - 1])], "lloyd-discrete-dp"
+        cuts = _dp_partition(values, probs, k)
+        sums0 = np.add.reduceat(probs, cuts[:-1])
+        sums1 = np.add.reduceat(probs * values, cuts[:-1])
+        dp = np.clip(sums1 / sums0, values[cuts[:-1]], values[cuts[1:] - 1])
+        # the quantile start guards against DP costs rounded away (prefix sums over extreme spans):
+        # it can only win where the DP was inexact, and then the table says which ran
+        inits = [(dp, "lloyd-discrete-dp"), (starts[0], "lloyd-discrete")]
     else:
-        inits, solver = _lloyd_starts(values, probs, k), "lloyd-discrete-multistart"
+        inits = [(c0, "lloyd-discrete-multistart") for c0 in starts]
     best = None
-    for c0 in inits:
+    for c0, solver in inits:
         c, iters, ok = _lloyd_discrete(values, probs, c0, max_iter)
         if not ok:
             raise ConvergenceError(f"discrete Lloyd did not reach a stable partition in {max_iter} iterations")
         P, R, D = _cell_sums(values, probs, c)
-        if best is None or np.sum(D) < best[3]:
-            best = (c, iters, (P, R, D), float(np.sum(D)))
-    c, iters, (P, R, D), _ = best
+        if best is None or np.sum(D) < best[4]:
+            best = (c, iters, (P, R, D), solver, float(np.sum(D)))
+    c, iters, (P, R, D), solver, _ = best
     res = float(np.max(np.abs(R / P))) / density.scale
     if res > tol or not np.all(np.diff(c) > 0):
         raise ConvergenceError(f"discrete Lloyd residual {res:.3e} > tol {tol:.1e}")
