@@ -370,11 +370,16 @@ def _snap(values: np.ndarray, targets: np.ndarray, k: int) -> np.ndarray:
     return values[np.minimum(idx, values.size - k + np.arange(k))].copy()
 
 
+def _quantile_start(values: np.ndarray, probs: np.ndarray, k: int) -> np.ndarray:
+    """Distinct sample values at the probability quantiles (j + 1/2)/K."""
+    return _snap(values, np.interp((np.arange(k) + 0.5) / k, np.cumsum(probs), values), k)
+
+
 def _lloyd_starts(values: np.ndarray, probs: np.ndarray, k: int) -> list:
-    """Initial levels of the fallback: probability quantiles (j + 1/2)/K; the quantiles of the
-    histogram density to the power 1/3 (the high-resolution optimum's level density, Panter-Dite);
-    equal spacing over the sample span."""
-    quant = _snap(values, np.interp((np.arange(k) + 0.5) / k, np.cumsum(probs), values), k)
+    """Initial levels of the fallback: probability quantiles; the quantiles of the histogram density
+    to the power 1/3 (the high-resolution optimum's level density, Panter-Dite); equal spacing over
+    the sample span."""
+    quant = _quantile_start(values, probs, k)
     nb = int(min(max(4 * k, 64), max(values.size // 4, 8)))
     edges = np.linspace(values[0], values[-1], nb + 1)
     w = np.cbrt(np.histogram(values, edges, weights=probs)[0])
@@ -395,7 +400,6 @@ def _solve_empirical(density: Empirical, bits: int, tol: float, max_iter: int) -
             f"bits={bits} needs at least 2**bits={k} distinct sample values; "
             f"the Empirical density has {values.size}"
         )
-    starts = _lloyd_starts(values, probs, k)
     if k * (values.size + 1) <= DP_MAX_CELLS:
         cuts = _dp_partition(values, probs, k)
         sums0 = np.add.reduceat(probs, cuts[:-1])
@@ -403,9 +407,9 @@ def _solve_empirical(density: Empirical, bits: int, tol: float, max_iter: int) -
         dp = np.clip(sums1 / sums0, values[cuts[:-1]], values[cuts[1:] - 1])
         # the quantile start guards against DP costs rounded away (prefix sums over extreme spans):
         # it can only win where the DP was inexact, and then the table says which ran
-        inits = [(dp, "lloyd-discrete-dp"), (starts[0], "lloyd-discrete")]
+        inits = [(dp, "lloyd-discrete-dp"), (_quantile_start(values, probs, k), "lloyd-discrete")]
     else:
-        inits = [(c0, "lloyd-discrete-multistart") for c0 in starts]
+        inits = [(c0, "lloyd-discrete-multistart") for c0 in _lloyd_starts(values, probs, k)]
     best = None
     for c0, solver in inits:
         c, iters, ok = _lloyd_discrete(values, probs, c0, max_iter)

@@ -175,6 +175,20 @@ def _tile_rows(bt_ptr, b, bt_stride, t0, end, H, h, P, BLOCK_N: tl.constexpr, AL
 
 
 @triton.jit
+def _load_tile(kn_ptr, vn_ptr, kc_ptr, vc_ptr, bt_ptr, b, bt_stride, t0, end, H, h, P,
+               KBITS: tl.constexpr, VBITS: tl.constexpr, KROW_WORDS: tl.constexpr, VROW_WORDS: tl.constexpr,
+               K_NWORDS: tl.constexpr, V_NWORDS: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+               ALIGNED: tl.constexpr):
+    """Validity, norms and packed words (``_load_words``) of the tile of tokens ``t0 + [0, BLOCK_N)``."""
+    row, tmask = _tile_rows(bt_ptr, b, bt_stride, t0, end, H, h, P, BLOCK_N, ALIGNED)
+    kn = tl.load(kn_ptr + row, mask=tmask, other=0.0)
+    vn = tl.load(vn_ptr + row, mask=tmask, other=0.0)
+    kw0, kw1, kw2 = _load_words(kc_ptr, row, tmask, KBITS, KROW_WORDS, K_NWORDS, D_PAD)
+    vw0, vw1, vw2 = _load_words(vc_ptr, row, tmask, VBITS, VROW_WORDS, V_NWORDS, D_PAD)
+    return tmask, kn, vn, kw0, kw1, kw2, vw0, vw1, vw2
+
+
+@triton.jit
 def _dot(a, b, PREC: tl.constexpr):
     """a @ b with float32 accumulation: float16 operands for PREC "fp16", else float32 ones at PREC."""
     if PREC == "fp16":
@@ -241,11 +255,9 @@ def _split_kernel(q_ptr, q_sb, q_st, q_sh, qpos_ptr,
         # tile loads are carried across iterations: with PREFETCH the next tile's page entry, norms
         # and code words are issued before the current tile is dequantized (their memory latency
         # overlaps the arithmetic, at the cost of the registers holding them); without, after it
-        row, tmask = _tile_rows(bt_ptr, b, bt_stride, start, end, H, h, P, BLOCK_N, ALIGNED)
-        kn = tl.load(kn_ptr + row, mask=tmask, other=0.0)
-        vn = tl.load(vn_ptr + row, mask=tmask, other=0.0)
-        kw0, kw1, kw2 = _load_words(kc_ptr, row, tmask, KBITS, KROW_WORDS, K_NWORDS, D_PAD)
-        vw0, vw1, vw2 = _load_words(vc_ptr, row, tmask, VBITS, VROW_WORDS, V_NWORDS, D_PAD)
+        tmask, kn, vn, kw0, kw1, kw2, vw0, vw1, vw2 = _load_tile(
+            kn_ptr, vn_ptr, kc_ptr, vc_ptr, bt_ptr, b, bt_stride, start, end, H, h, P, KBITS, VBITS, KROW_WORDS,
+            VROW_WORDS, K_NWORDS, V_NWORDS, D_PAD, BLOCK_N, ALIGNED)
         for t0 in range(start, end, BLOCK_N):
             t = t0 + tl.arange(0, BLOCK_N)
             cur_mask = tmask
@@ -254,11 +266,9 @@ def _split_kernel(q_ptr, q_sb, q_st, q_sh, qpos_ptr,
             kc, ksh = _unpack(kw0, kw1, kw2, KBITS, BLOCK_N, D_PAD, KSYM)
             vc, vsh = _unpack(vw0, vw1, vw2, VBITS, BLOCK_N, D_PAD, VSYM)
             if PREFETCH:
-                row, tmask = _tile_rows(bt_ptr, b, bt_stride, t0 + BLOCK_N, end, H, h, P, BLOCK_N, ALIGNED)
-                kn = tl.load(kn_ptr + row, mask=tmask, other=0.0)
-                vn = tl.load(vn_ptr + row, mask=tmask, other=0.0)
-                kw0, kw1, kw2 = _load_words(kc_ptr, row, tmask, KBITS, KROW_WORDS, K_NWORDS, D_PAD)
-                vw0, vw1, vw2 = _load_words(vc_ptr, row, tmask, VBITS, VROW_WORDS, V_NWORDS, D_PAD)
+                tmask, kn, vn, kw0, kw1, kw2, vw0, vw1, vw2 = _load_tile(
+                    kn_ptr, vn_ptr, kc_ptr, vc_ptr, bt_ptr, b, bt_stride, t0 + BLOCK_N, end, H, h, P, KBITS, VBITS,
+                    KROW_WORDS, VROW_WORDS, K_NWORDS, V_NWORDS, D_PAD, BLOCK_N, ALIGNED)
             klev = _level(kc, ksh, KBITS, KSYM, k0, k1, k2, k3, k4, k5, k6, k7, k8, k9, k10, k11, k12, k13, k14,
                           k15)
             sc = _dot(klev, tl.trans(q_rot), PREC) * cur_kn[:, None]
@@ -270,11 +280,9 @@ def _split_kernel(q_ptr, q_sb, q_st, q_sh, qpos_ptr,
                           v15)
             m_i, l_i, acc = _online(m_i, l_i, acc, sc, vlev, cur_vn, PREC)
             if not PREFETCH:
-                row, tmask = _tile_rows(bt_ptr, b, bt_stride, t0 + BLOCK_N, end, H, h, P, BLOCK_N, ALIGNED)
-                kn = tl.load(kn_ptr + row, mask=tmask, other=0.0)
-                vn = tl.load(vn_ptr + row, mask=tmask, other=0.0)
-                kw0, kw1, kw2 = _load_words(kc_ptr, row, tmask, KBITS, KROW_WORDS, K_NWORDS, D_PAD)
-                vw0, vw1, vw2 = _load_words(vc_ptr, row, tmask, VBITS, VROW_WORDS, V_NWORDS, D_PAD)
+                tmask, kn, vn, kw0, kw1, kw2, vw0, vw1, vw2 = _load_tile(
+                    kn_ptr, vn_ptr, kc_ptr, vc_ptr, bt_ptr, b, bt_stride, t0 + BLOCK_N, end, H, h, P, KBITS, VBITS,
+                    KROW_WORDS, VROW_WORDS, K_NWORDS, V_NWORDS, D_PAD, BLOCK_N, ALIGNED)
     else:
         q = tl.load(q_base + cols[None, :], mask=qmask, other=0.0).to(tl.float32) * scale
         nb = tl.load(blens_ptr + b)
