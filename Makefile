@@ -31,7 +31,7 @@ eval-deps: $(STAMP)
 # The evaluation grid (protocol v2, README's evaluation section), resumable: only missing cells are
 # computed, so an interrupted run continues where it stopped. Every method runs with the same 16-bit
 # band, none and 64+256; needles sample 30 prompts per variant and context (5 depths x 6 samples) at
-# 1K, 4K and 8K; perplexity over 8 windows of 1K and 7 of 8K tokens; calibration covers the context
+# 1K, 4K and 8K; perplexity over 8 windows of 1K and 4 of 8K tokens; calibration covers the context
 # (2 x 8192 tokens). Then quantized prefill and a 512-token decode, and the key-error study
 # (K/V bit splits, mean-centred keys, recent-token windows; per-layer errors). Several CPU-days on
 # 2 cores (estimated from the per-entry wall times in results/eval_v2): run it on a Ray cluster with
@@ -42,9 +42,9 @@ EVAL_2TO4 := tq_mse2,tq_mse3,tq_mse4,tq_prod3,tq_prod4,tq_split2.5,tq_split3.5,q
 NEEDLES := --depths 0.1,0.3,0.5,0.7,0.9 --samples 6
 eval: $(STAMP)
 	$(EVAL_RUN) --model smollm2 --methods $(EVAL_2TO4) --band none --band 64,256 --tasks niah $(NEEDLES) --ctx 1024,4096,8192
-	$(EVAL_RUN) --model smollm2 --methods $(EVAL_2TO4) --band none --band 64,256 --tasks ppl,layers --ppl-windows 1024x8,8192x7
+	$(EVAL_RUN) --model smollm2 --methods $(EVAL_2TO4) --band none --band 64,256 --tasks ppl,layers --ppl-windows 1024x8,8192x4
 	$(EVAL_RUN) --model smollm2 --methods tq_mse2,tq_mse3,tq_mse4,nova,quarot2 --band none --band 64,256 --tasks niah,decode --prefill exact,quantized $(NEEDLES) --ctx 1024 --decode 1024,512,2
-	$(EVAL_RUN) --model smollm2 --methods tq_mse3,tq_mse4,tq_mse3-mc,tq_mse4-mc,tq_split3.5,tq_split3.5-mc,quarot4-mc,tq_k4v2,tq_k5v3,tq_k8v4 --band none --band 0,64 --band 0,256 --tasks ppl,layers --ppl-windows 1024x8,8192x7
+	$(EVAL_RUN) --model smollm2 --methods tq_mse3,tq_mse4,tq_mse3-mc,tq_mse4-mc,tq_split3.5,tq_split3.5-mc,quarot4-mc,tq_k4v2,tq_k5v3,tq_k8v4 --band none --band 0,64 --band 0,256 --tasks ppl,layers --ppl-windows 1024x8,8192x4
 	$(EVAL_RUN) --model gemma3 --methods $(EVAL_2TO4) --band none --band 64,256 --tasks niah $(NEEDLES) --ctx 1024,4096,8192
 	$(EVAL_RUN) --model gemma3 --methods $(EVAL_2TO4) --band none --band 64,256 --tasks ppl,layers --ppl-windows 1024x8,8192x4
 	$(VENV)/bin/kvq-eval plot $(EVAL_OUT) --model smollm2 -o $(EVAL_OUT)/smollm2

@@ -36,11 +36,18 @@ from .band import band_mask, n_encoded, token_group
 from .methods import MethodSpec
 
 __all__ = ["Session", "session", "register", "QuantizedCache", "ATTN_IMPLEMENTATION", "cache_kwargs",
-           "concat_encoded"]
+           "concat_encoded", "effective_keys", "simulate_dense", "SIMULATION"]
 
 ATTN_IMPLEMENTATION = "kvq"
 _ACTIVE: list["Session"] = []
 QUERY_BLOCK = 1024  # query positions per block in simulate mode (bounds memory at long contexts)
+#: Version of the simulate-mode arithmetic, recorded in every cell that used it. 1 (cells without
+#: the field): dense float64 ``scores``/``accumulate`` per query block. 2: middle and band merged by
+#: log-sum-exp, values read through their float32 reconstruction (4x faster at 8K). The two agree
+#: to a float32 ulp per layer, but a per-window NLL moves by ~1e-3 nats between them: an ulp
+#: flips a few quantization codes in later layers (so does any 1e-7 change of the values), the
+#: simulation's own numerical noise floor (``tests/kvq_eval/test_simulate.py``).
+SIMULATION = 2
 
 
 @dataclass
@@ -51,18 +58,21 @@ class Session:
     spec: MethodSpec | None = None
     cache: "QuantizedCache | None" = None
     captured: dict = field(default_factory=dict)
+    dense: bool = False  # simulate mode: the dense float64 definition instead of the fast form
 
 
 @contextlib.contextmanager
-def session(mode: str = "off", spec: MethodSpec | None = None, cache: "QuantizedCache | None" = None):
-    """Activate a ``Session`` (nesting is allowed; the innermost one is used)."""
+def session(mode: str = "off", spec: MethodSpec | None = None, cache: "QuantizedCache | None" = None,
+            dense: bool = False):
+    """Activate a ``Session`` (nesting is allowed; the innermost one is used). ``dense``: simulate
+    with ``simulate_dense`` (the definition, for tests and benchmarks)."""
     if mode not in ("off", "capture", "simulate", "cache"):
         raise ValueError(f"mode must be off, capture, simulate or cache, got {mode!r}")
     if mode in ("simulate", "cache") and spec is None:
         raise ValueError(f"mode {mode!r} needs a MethodSpec")
     if mode == "cache" and cache is None:
         raise ValueError("mode 'cache' needs a QuantizedCache")
-    s = Session(mode, spec, cache)
+    s = Session(mode, spec, cache, dense=bool(dense))
     _ACTIVE.append(s)
     try:
         yield s
@@ -92,41 +102,139 @@ def _fp16(x: np.ndarray) -> np.ndarray:
     return x.astype(np.float16).astype(np.float64)
 
 
+def effective_keys(km: Quantizer, enc: Encoded, d: int) -> np.ndarray:
+    """float64 (T, d) rows ``K`` with ``km.scores(km.prepare_query(q), enc) == q @ K.T``.
+
+    Every method's score is linear in the query (a rotation, a sketch projection, a coefficient
+    map, plus ``q . mu`` terms), so scoring the ``d`` unit queries reads the whole linear map: for
+    a decoding method ``K`` is its float64 reconstruction, for an estimator (QJL, TurboQuant_prod)
+    the keys its estimator implicitly scores. ``tests/kvq_eval/test_simulate.py`` checks the
+    linearity for every registered method.
+    """
+    return np.ascontiguousarray(km.scores(km.prepare_query(np.eye(d)), enc).T)
+
+
+def _flash_lse(q, k, v, scale: float, causal: bool = False, mask=None):
+    """``(softmax(q k^T * scale + mask) v, logsumexp)`` for q (g, Tq, d), k and v (Tk, d), float64.
+
+    torch's CPU flash-attention kernel (the one behind ``scaled_dot_product_attention``, which
+    also returns the log-sum-exp); ``causal`` aligns query 0 with key 0. ``mask`` is a bool
+    (Tq, Tk) of allowed keys. Rows with no allowed key get output 0 and log-sum-exp -inf.
+    """
+    g = q.shape[0]
+    kk, vv = (x.expand(1, g, *x.shape) for x in (k, v))
+    add = None if mask is None else torch.zeros(mask.shape, dtype=q.dtype).masked_fill_(~mask, -np.inf)[None, None]
+    out, lse = _FLASH(q[None], kk, vv, 0.0, causal, attn_mask=add, scale=scale)
+    out, lse = out[0], lse[0]
+    if mask is not None:
+        empty = ~mask.any(-1)
+        if empty.any():
+            out[:, empty], lse[:, empty] = 0.0, -np.inf
+    return out, lse
+
+
+def _dense_lse(q, k, v, scale: float, causal: bool = False, mask=None):
+    """What ``_flash_lse`` computes, by matrix products (for torch builds without the kernel)."""
+    z = (q @ k.T) * scale
+    allowed = torch.ones(z.shape[-2:], dtype=torch.bool) if mask is None else mask.clone()
+    if causal:
+        allowed &= torch.ones_like(allowed).tril()
+    z.masked_fill_(~allowed, -np.inf)
+    lse = torch.logsumexp(z, -1)
+    p = torch.exp(z - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
+    return p @ v, lse
+
+
+_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_partial_attention = _flash_lse if _FLASH is not None else _dense_lse
+
+
+def _merge(parts):
+    """Attention over the union of disjoint key sets from each set's (out, log-sum-exp)."""
+    m = torch.stack([lse for _, lse in parts]).amax(0)
+    w = [torch.exp(lse - m) for _, lse in parts]
+    return sum(wi[..., None] * o for wi, (o, _) in zip(w, parts)) / sum(w)[..., None]
+
+
 def _simulate(module, query, key, value, scaling, spec: MethodSpec):
     """Streaming-quantized attention for a full sequence (batch 1, no cache).
 
-    Queries are processed in blocks of ``QUERY_BLOCK`` positions so that an 8K-token window needs
-    (g * block, T) score arrays, not (g * T, T).
+    Query i attends to two disjoint key sets, merged by their log-sum-exp: the middle (keys
+    stored through the method: ``mid(i) = [sink, sink + n_encoded(i + 1, ...))``) through the
+    method's effective keys (``effective_keys``) and float32 reconstructed values, and the band
+    (the sink and the recent tokens) in float16. The middle is one causal flash-attention call
+    when it is a shifted causal range (token group 1, no sliding window); otherwise it goes in
+    blocks of ``QUERY_BLOCK`` queries with a mask, as does the band (a few columns per block).
+    Equal to ``p_band @ v16 + accumulate(p - p_band)`` with float64 scores; the values' float32
+    rounding is the only difference (the decoding cache also reads float32 reconstructions).
     """
-    q = query[0].double().numpy()  # (H, T, d)
+    q = query[0].double()  # (H, T, d)
     k = key[0].double().numpy()  # (Hkv, T, d)
     v = value[0].double().numpy()
     hq, t, d = q.shape
     g = hq // k.shape[0]
     pos = np.arange(t)
     sliding = _window_of(module)
-    out = np.empty((hq, t, d))
-    layer = module.layer_idx
+    out = torch.empty((hq, t, d), dtype=torch.float64)
+    layer, sink, window = module.layer_idx, spec.sink, spec.window
     for h in range(k.shape[0]):
         km, vm = spec.key(layer, h, d), spec.value(layer, h, d)
         group = max(token_group(km), token_group(vm))
         kh, vh = _fp16(k[h]), _fp16(v[h])
-        enc_k = km.encode(k[h]) if km is not None else None
-        enc_v = vm.encode(v[h]) if vm is not None else None
+        keys = effective_keys(km, km.encode(k[h]), d) if km is not None else kh
+        vals = vm.decode(vm.encode(v[h])).reshape(t, d).astype(np.float64) if vm is not None else vh
+        keys, vals, kh, vh = (torch.from_numpy(np.ascontiguousarray(x)) for x in (keys, vals, kh, vh))
+        qh = q[h * g:(h + 1) * g]
+        first = sink + window  # first query with a middle when group == 1
+        if group == 1 and sliding is None and first < t:
+            # middle of query i = keys [sink, i - window]: causal after shifting by sink + window
+            o_mid, l_mid = _partial_attention(qh[:, first:], keys[sink:t - window], vals[sink:t - window], scaling,
+                                              causal=True)
+            o_mid = torch.cat([torch.zeros(g, first, d, dtype=torch.float64), o_mid], 1)
+            l_mid = torch.cat([torch.full((g, first), -np.inf, dtype=torch.float64), l_mid], 1)
         for lo in range(0, t, QUERY_BLOCK):
             hi = min(t, lo + QUERY_BLOCK)
-            qp = pos[lo:hi]
-            band = np.tile(band_mask(qp, pos, spec.sink, spec.window, group), (g, 1))
-            allowed = np.tile(_allowed(qp, pos, sliding), (g, 1))
-            qg = q[h * g:(h + 1) * g, lo:hi].reshape(-1, d)
-            exact = qg @ kh.T
-            quant = km.scores(km.prepare_query(qg), enc_k) if km is not None else exact
-            z = np.where(band, exact, quant) * scaling
-            p = _softmax(np.where(allowed, z, -np.inf))
-            pb = np.where(band, p, 0.0)
-            o = pb @ vh
-            o = o + (vm.accumulate(p - pb, enc_v) if vm is not None else (p - pb) @ vh)
-            out[h * g:(h + 1) * g, lo:hi] = o.reshape(g, hi - lo, d)
+            qp, qb = pos[lo:hi], qh[:, lo:hi]
+            allowed = _allowed(qp, pos[:hi], sliding)
+            band = band_mask(qp, pos[:hi], sink, window, group) & allowed
+            if not (group == 1 and sliding is None):
+                mid = torch.from_numpy(allowed & ~band)
+                parts = [_partial_attention(qb, keys[:hi], vals[:hi], scaling, mask=mid)]
+            elif first < t:
+                parts = [(o_mid[:, lo:hi], l_mid[:, lo:hi])]
+            else:
+                parts = []
+            cols = np.flatnonzero(band.any(0))  # the sink and the recent tokens of this block
+            if cols.size:
+                idx = torch.from_numpy(cols)
+                parts.append(_partial_attention(qb, kh[idx], vh[idx], scaling, mask=torch.from_numpy(band[:, cols])))
+            out[h * g:(h + 1) * g, lo:hi] = _merge(parts)
+    return out.to(query.dtype).transpose(0, 1).unsqueeze(0), None
+
+
+def simulate_dense(module, query, key, value, scaling, spec: MethodSpec):
+    """The streaming simulation's definition, formed densely in float64 (``SIMULATION`` 1).
+
+    Query i sees key t <= i through the method (its ``scores`` and ``accumulate``, in float64)
+    unless t is in its band, where it sees the float16 key and value. (T, T) arrays per KV head:
+    the reference ``_simulate`` is tested against (``tests/kvq_eval/test_simulate.py``) and
+    benchmarked against (``benchmarks/eval_simulate.py``); ``session(..., dense=True)`` runs it.
+    """
+    q, k, v = (x[0].double().numpy() for x in (query, key, value))
+    hq, t, d = q.shape
+    g = hq // k.shape[0]
+    pos = np.arange(t)
+    out = np.empty((hq, t, d))
+    allowed = np.tile(_allowed(pos, pos, _window_of(module)), (g, 1))
+    for h in range(k.shape[0]):
+        km, vm = spec.key(module.layer_idx, h, d), spec.value(module.layer_idx, h, d)
+        band = np.tile(band_mask(pos, pos, spec.sink, spec.window, max(token_group(km), token_group(vm))), (g, 1))
+        kh, vh = _fp16(k[h]), _fp16(v[h])
+        qg = q[h * g:(h + 1) * g].reshape(-1, d)
+        z = np.where(band, qg @ kh.T, km.scores(km.prepare_query(qg), km.encode(k[h])))
+        p = _softmax(np.where(allowed, z * scaling, -np.inf))
+        pb = np.where(band, p, 0.0)
+        out[h * g:(h + 1) * g] = (pb @ vh + vm.accumulate(p - pb, vm.encode(v[h]))).reshape(g, t, d)
     return torch.from_numpy(out).to(query.dtype).transpose(0, 1).unsqueeze(0), None
 
 
@@ -149,7 +257,7 @@ def kvq_attention(module, query, key, value, attention_mask, scaling=None, dropo
             tuple(x[0].detach().float().numpy().copy() for x in (query, key, value)))
         return _stock(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     if s.mode == "simulate":
-        return _simulate(module, query, key, value, scaling, s.spec)
+        return (simulate_dense if s.dense else _simulate)(module, query, key, value, scaling, s.spec)
     return s.cache.attend(module, query, scaling, attention_mask, key, value, kwargs)
 
 

@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
 import json
+import os
 import time
 import warnings
 from pathlib import Path
@@ -44,9 +46,9 @@ from kvq_ref.attention import QuantizedKV, attention_prefill, exact_attention, l
 from .accounting import cache_bits, pair_weighted_bits, spec_rates
 from .band import Band, parse_band
 from .calib import capture, calibration_tables, token_chunks
-from .hooks import QuantizedCache, cache_kwargs, register, session
+from .hooks import SIMULATION, QuantizedCache, cache_kwargs, register, session
 from .methods import make_spec, method_info
-from .models import load_model
+from .models import cache_dir, load_model
 from .niah import VARIANTS, exact_match, make_sample
 from .text import part
 
@@ -96,19 +98,28 @@ def _calibrated(method: str) -> bool:
     return method != "fp32" and bool(method_info(method).get("calibrated"))
 
 
-def _window_stats(ref, out, target) -> dict:
+def _window_stats(ref, out, target, chunk: int = 512) -> dict:
     """Summed NLL of the quantized and the fp32 logits, KL(fp32 || quant), top-1 agreement and the
-    NLL/KL change per position bin, for logits (T, vocab) predicting ``target`` (T,)."""
+    NLL/KL change per position bin, for logits (T, vocab) predicting ``target`` (T,).
+
+    Formed in float64 over ``chunk`` positions at a time: an 8K window's float64 log-softmaxes
+    would otherwise hold several 3 GiB arrays at once.
+    """
     import torch
 
-    lp, lq = torch.log_softmax(ref, -1), torch.log_softmax(out, -1)
-    nf = -lp.gather(1, target[:, None])[:, 0]
-    nq = -lq.gather(1, target[:, None])[:, 0]
-    kl = (lp.exp() * (lp - lq)).sum(-1)
+    nf, nq, kl, top1 = [], [], [], 0
+    for lo in range(0, target.numel(), chunk):
+        r, o, tg = ref[lo:lo + chunk].double(), out[lo:lo + chunk].double(), target[lo:lo + chunk]
+        lp, lq = torch.log_softmax(r, -1), torch.log_softmax(o, -1)
+        nf.append(-lp.gather(1, tg[:, None])[:, 0])
+        nq.append(-lq.gather(1, tg[:, None])[:, 0])
+        kl.append((lp.exp() * (lp - lq)).sum(-1))
+        top1 += int((o.argmax(-1) == r.argmax(-1)).sum())
+    nf, nq, kl = (torch.cat(x) for x in (nf, nq, kl))
     d, k = (nq - nf).numpy(), kl.numpy()
     bins = np.array_split(np.arange(d.size), POSITION_BINS)
     return {"n": int(target.numel()), "nll_q": float(nq.sum()), "nll_f": float(nf.sum()), "kl": float(kl.sum()),
-            "top1": int((out.argmax(-1) == ref.argmax(-1)).sum()), "dnll_bins": [float(d[b].mean()) for b in bins],
+            "top1": top1, "dnll_bins": [float(d[b].mean()) for b in bins],
             "kl_bins": [float(k[b].mean()) for b in bins]}
 
 
@@ -166,13 +177,39 @@ class Evaluator:
         rows = []
         for ids in token_chunks(self.tok, part("heldout"), tokens, windows):
             t0 = time.perf_counter()
-            with session("off"):
-                ref = self.model(ids).logits[0, :-1].double()
+            ref = self._reference(ids)
             with session("simulate", spec):
-                out = self.model(ids).logits[0, :-1].double()
+                out = self.model(ids).logits[0, :-1]
             rows.append({**_window_stats(ref, out, ids[0, 1:]), "seconds": time.perf_counter() - t0})
-        return {"method": method, "tokens": tokens, "text": "heldout", "windows": rows,
+        return {"method": method, "tokens": tokens, "text": "heldout", "windows": rows, "simulation": SIMULATION,
                 **self._band_record(spec, tokens)}
+
+    def _reference(self, ids):
+        """float32 logits (T - 1, vocab) of a window under stock attention, computed once per machine.
+
+        Every method of a grid needs the same reference for a window (at 8K tokens its forward is a
+        quarter of a perplexity cell), so it is kept under ``<cache>/reference/``, named by the model
+        and a hash of the token ids, written atomically; an unreadable or mis-shaped file is
+        recomputed.
+        """
+        import torch
+
+        key = hashlib.sha256(np.ascontiguousarray(ids.numpy(), dtype=np.int64).tobytes()).hexdigest()[:24]
+        path = cache_dir() / "reference" / f"{self.name}-{key}.npy"
+        if path.is_file():
+            try:
+                arr = np.load(path)
+                if arr.ndim == 2 and arr.shape[0] == ids.shape[1] - 1 and arr.dtype == np.float32:
+                    return torch.from_numpy(arr)
+            except (OSError, ValueError):
+                pass
+        with session("off"):
+            ref = self.model(ids).logits[0, :-1].float().contiguous()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.npy")
+        np.save(tmp, ref.numpy())
+        os.replace(tmp, path)
+        return ref
 
     # --- layers ---------------------------------------------------------------------------------
     def layers(self, method: str, band: Band | None, tokens: int = 1024, queries: int = 64) -> dict:
@@ -253,6 +290,8 @@ class Evaluator:
             answer = self.tok.decode(gen, skip_special_tokens=True)
             entry = {"exact": int(exact_match(s, answer)), "logprob": logprob, "answer": answer,
                      "reference_tokens": int(ref.shape[1]), "prefill": prefill}
+            if prefill == "quantized":
+                entry["simulation"] = SIMULATION
             if spec is not None:
                 entry["bits_per_element"] = cache_bits(cache, self.rates(spec)["table_bits"])
                 entry["band"] = {"sink": spec.sink, "window": spec.window}
@@ -288,7 +327,7 @@ class Evaluator:
             if spec is not None:
                 row["bits_per_element"] = cache_bits(cache, self.rates(spec)["table_bits"])
             rows.append(row)
-        out = {"entry": name, "method": method, "prefill": prefill, "prefix": prefix, "new_tokens": new_tokens,
+        out = {"entry": name, "method": method, "prefill": prefill, "simulation": SIMULATION, "prefix": prefix, "new_tokens": new_tokens,
                "windows": rows}
         if spec is not None:
             out["band"] = {"sink": spec.sink, "window": spec.window}

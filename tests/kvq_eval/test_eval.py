@@ -199,9 +199,13 @@ def test_cache_decode_equals_streaming_simulation(lm, name, sink, window):
     """One band rule in both modes: a quantized prefill of 80 tokens, then 40 tokens decoded one at a
     time over the QuantizedCache, gives the logits of the streaming simulation of all 120 tokens.
 
-    Tolerance: the cache scores float32-decoded keys, the simulation the float64 reconstruction, so
-    logits differ by float32 rounding carried through 30 layers (1e-3 of the logit scale); a band
-    one token wider changes them by far more (checked, so the comparison can fail).
+    Tolerance: the cache scores float32-decoded keys, the simulation the float64 reconstruction
+    (and the two sum in different orders), so logits differ by float32 rounding carried through 30
+    layers, where an ulp can flip a quantization code of a later layer (``hooks.SIMULATION``):
+    measured 1.2e-3 of the logit scale (tq_mse3; 0.14e-3 kivi2) with simulation 2 (simulation 1
+    stayed under 1e-3);
+    bound 3e-3. A band one token wider changes them by more than 1e-2 (checked, so the
+    comparison can fail).
     """
     import torch
 
@@ -225,9 +229,33 @@ def test_cache_decode_equals_streaming_simulation(lm, name, sink, window):
     with session("simulate", spec):
         sim = model(x).logits[0, 79:119]
     scale = sim.abs().max().item()
-    assert (streamed(spec) - sim).abs().max().item() <= 1e-3 * scale
+    assert (streamed(spec) - sim).abs().max().item() <= 3e-3 * scale
     wider = ev.spec(name, Band(sink, window + 8))
     assert (streamed(wider) - sim).abs().max().item() > 1e-2 * scale
+
+
+@pytest.mark.model
+def test_reference_logits_are_cached_once_per_window(lm, tmp_path, monkeypatch):
+    """The fp32 reference of a perplexity window is computed once, stored under the cache folder,
+    read back by later cells (the model is not called again), and recomputed from a damaged file."""
+    model, tok, ids, ref = lm
+    monkeypatch.setenv("KVQ_CACHE_DIR", str(tmp_path))
+    ev = _evaluator(model, tok)
+    x = ids[:, :64]
+    first = ev._reference(x)
+    assert torch_equal(first, model(x).logits[0, :-1])  # the stock forward's logits, bit for bit
+    (path,) = (tmp_path / "reference").iterdir()
+    ev.model = None  # a second call must not need the model
+    assert torch_equal(ev._reference(x), first)
+    path.write_bytes(b"not an array")
+    ev.model = model
+    assert torch_equal(ev._reference(x), first) and np.load(path).shape == tuple(first.shape)
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return bool(torch.equal(a, b))
 
 
 @pytest.mark.model

@@ -187,6 +187,9 @@ def test_window_stats_against_direct_formulas():
     assert s["top1"] == int((ref.argmax(-1) == out.argmax(-1)).sum())
     assert len(s["dnll_bins"]) == POSITION_BINS
     assert np.mean(s["dnll_bins"][:8]) == pytest.approx((nq - nf)[:24].mean(), rel=1e-12)  # 8 bins of 3
+    chunked = _window_stats(torch.from_numpy(ref), torch.from_numpy(out), torch.from_numpy(target), chunk=7)
+    assert chunked["top1"] == s["top1"] and chunked["kl"] == pytest.approx(s["kl"], rel=1e-12)
+    assert chunked["dnll_bins"] == pytest.approx(s["dnll_bins"], rel=1e-12)
     same = _window_stats(torch.from_numpy(ref), torch.from_numpy(ref), torch.from_numpy(target))
     assert same["kl"] == 0.0 and same["top1"] == 40 and same["nll_q"] == same["nll_f"]
 
@@ -212,20 +215,6 @@ def test_study_methods_in_the_registry():
         assert METHODS[name]["nominal_bits"] == (kb + vb) / 2
     assert {f"{b}-mc" for b in ("tq_mse2", "tq_mse3", "tq_mse4", "tq_split2.5", "tq_split3.5", "quarot2",
                                 "quarot4")} <= set(METHODS)
-
-
-@pytest.fixture(scope="module")
-def small_tables():
-    """Real calibration tables of one layer and one KV head (d = 64, 320 synthetic tokens)."""
-    from codebooks.nova import calibrate
-    from kvq_eval.calib import CalibrationTables
-
-    rng = np.random.default_rng(0)
-    scales = np.exp(rng.normal(0, 0.7, 64))
-    seq = {0: (rng.standard_normal((3, 320, 64)) * scales, rng.standard_normal((1, 320, 64)) * scales,
-               rng.standard_normal((1, 320, 64)))}
-    stats, model = calibrate([seq], 64, iterations=2)
-    return CalibrationTables(model, stats, lambda: calibrate([seq], 64, iterations=2, grouping="round_robin")[1])
 
 
 def test_nova_table_bits_follow_the_value_path(small_tables):

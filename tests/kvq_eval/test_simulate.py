@@ -1,0 +1,117 @@
+"""The streaming simulation (``kvq_eval.hooks._simulate``) against its dense definition, and the
+linearity in the query it rests on, for every registered method."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+import kvq_eval.hooks as hooks
+from kvq_eval.band import Band
+from kvq_eval.hooks import effective_keys
+from kvq_eval.methods import METHODS, make_spec
+
+
+def _spec(name, tables, band=None):
+    info = METHODS[name]
+    spec = make_spec(name, tables=tables if info.get("calibrated") or name.endswith("-mc") else None)
+    if band is not None:
+        spec = dataclasses.replace(spec, sink=band.sink, window=band.window)
+    return spec
+
+
+def test_scores_are_linear_in_the_query_for_every_method(small_tables):
+    """``scores(prepare_query(q)) == q @ effective_keys.T`` for every registered key quantizer.
+
+    Tolerance: both sides are float64 sums of 64 products (plus a rotation), |error| <= ~1e-13 of
+    the largest score; 1e-10 leaves room and still fails for any nonlinearity (a query
+    quantizer, a norm of q) by orders of magnitude.
+    """
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((40, 64)) * np.exp(rng.normal(0, 0.5, 64))
+    qs = rng.standard_normal((7, 64)) * 3.0
+    for name in METHODS:
+        km = _spec(name, small_tables).key(0, 0, 64)
+        enc = km.encode(x)
+        direct = km.scores(km.prepare_query(qs), enc)
+        keys = effective_keys(km, enc, 64)
+        assert keys.shape == (40, 64) and keys.dtype == np.float64
+        assert np.abs(qs @ keys.T - direct).max() <= 1e-10 * np.abs(direct).max(), name
+
+
+def test_accumulate_is_weights_times_the_reconstruction_for_every_method(small_tables):
+    """``accumulate(p) == p @ decode`` up to the float32 rounding of ``decode`` (2^-24 relative per
+    element, summed with weights of total mass 1 per row: bound 1e-6 of the largest value)."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((40, 64)) * np.exp(rng.normal(0, 0.5, 64))
+    p = rng.dirichlet(np.ones(40), size=5)
+    for name in METHODS:
+        vm = _spec(name, small_tables).value(0, 0, 64)
+        enc = vm.encode(x)
+        dec = vm.decode(enc).astype(np.float64)
+        assert np.abs(p @ dec - vm.accumulate(p, enc)).max() <= 1e-6 * np.abs(dec).max(), name
+
+
+CASES = [("identity", Band(0, 0)), ("tq_mse3", Band(0, 0)), ("tq_mse3", Band(4, 16)), ("tq_prod3", Band(3, 10)),
+         ("kivi2", Band(0, 0)), ("kivi2", Band(2, 40)), ("qjl", Band(5, 7)), ("polarquant", Band(0, 33)),
+         ("tq_split2.5", Band(8, 0)), ("quarot2_official", Band(4, 16)), ("nova", Band(0, 0)), ("nova", Band(6, 20)),
+         ("oscar", Band(4, 16)), ("tq_mse4-mc", Band(4, 16))]
+
+
+@pytest.mark.parametrize("kernel", ["flash", "dense"])
+@pytest.mark.parametrize("sliding", [None, 45])
+@pytest.mark.parametrize("name,band", CASES)
+def test_fast_simulation_equals_the_dense_definition(small_tables, monkeypatch, name, band, sliding, kernel):
+    """Blocks of 32 queries over 150 tokens (the last block partial), GQA 3:1, every band shape,
+    with torch's flash kernel and with the matrix-product fallback: the middle/band split merged by
+    log-sum-exp equals the dense definition.
+
+    Tolerance: the fast form reads values through their float32 reconstruction where the dense
+    one accumulates in float64 (see test above): 1e-6 of the largest output value.
+    """
+    monkeypatch.setattr(hooks, "QUERY_BLOCK", 32)
+    if kernel == "dense":
+        monkeypatch.setattr(hooks, "_partial_attention", hooks._dense_lse)
+    elif hooks._FLASH is None:
+        pytest.skip("this torch build has no CPU flash-attention kernel")
+    spec = _spec(name, small_tables, band)
+    rng = np.random.default_rng(4)
+    t, d = 150, 64
+    scale = torch.from_numpy(np.exp(rng.normal(0, 0.5, d)))
+    query = torch.from_numpy(rng.standard_normal((1, 3, t, d))).float()
+    key = (torch.from_numpy(rng.standard_normal((1, 1, t, d))) * scale + 0.5).float()
+    value = torch.from_numpy(rng.standard_normal((1, 1, t, d))).float()
+    module = SimpleNamespace(layer_idx=0, sliding_window=sliding)
+    fast, _ = hooks._simulate(module, query, key, value, 0.125, spec)
+    assert fast.shape == (1, t, 3, d) and fast.dtype == torch.float32
+    ref = hooks.simulate_dense(module, query, key, value, 0.125, spec)[0]
+    assert np.abs((fast - ref).numpy()).max() <= 1e-6 * np.abs(ref.numpy()).max()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_partial_attention_kernels_agree_and_empty_rows_are_neutral(causal):
+    """The flash kernel and the fallback give the same output and log-sum-exp (float64: 1e-12),
+    including rows with no allowed key (output 0, log-sum-exp -inf), which the flash kernel alone
+    would report as log-sum-exp 0; merging a set with such rows leaves the other set's result."""
+    if hooks._FLASH is None:
+        pytest.skip("this torch build has no CPU flash-attention kernel")
+    rng = np.random.default_rng(5)
+    q, k, v = (torch.from_numpy(rng.standard_normal(s)) for s in ((3, 40, 16), (40, 16), (40, 16)))
+    mask = torch.from_numpy(rng.random((40, 40)) < 0.4)
+    mask[7] = False
+    a = hooks._flash_lse(q, k, v, 0.3, causal=causal, mask=None if causal else mask)
+    b = hooks._dense_lse(q, k, v, 0.3, causal=causal, mask=None if causal else mask)
+    for x, y in zip(a, b):
+        fin = torch.isfinite(y)
+        assert torch.equal(fin, torch.isfinite(x)) and (x - y)[fin].abs().max() <= 1e-12
+    if not causal:
+        assert torch.isneginf(a[1][:, 7]).all() and (a[0][:, 7] == 0).all()
+        other = hooks._dense_lse(q, k, v, 0.3, mask=~mask)
+        merged = hooks._merge([a, other])
+        assert torch.allclose(merged[:, 7], other[0][:, 7], rtol=0, atol=1e-12)
+        full = hooks._dense_lse(q, k, v, 0.3)[0]
+        assert torch.allclose(merged, full, rtol=0, atol=1e-12)
