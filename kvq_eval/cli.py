@@ -133,10 +133,17 @@ def _cmd_table(args) -> int:
 
 
 def _cmd_compare(args) -> int:
-    from .plot import comparison_table, load_results, paired_comparison
+    from .plot import comparison_table, load_results, paired_comparison, paired_ppl, ppl_comparison_table
 
-    cells = [c for c in load_results(args.results, args.model)["niah"]
-             if args.variant is None or c["variant"] == args.variant]
+    res = load_results(args.results, args.model)
+    ppl = paired_ppl(res, args.a, args.b)  # {} when one has no perplexity cell (fp32 never has one)
+    cells = [c for c in res["niah"] if args.variant is None or c["variant"] == args.variant]
+    has_niah = any(args.a in c["results"] for c in cells) and any(args.b in c["results"] for c in cells)
+    if ppl:
+        print(ppl_comparison_table(ppl, args.a, args.b))
+        if not has_niah:
+            return 0
+        print()
     print(comparison_table(paired_comparison(cells, args.a, args.b), args.a, args.b))
     return 0
 
@@ -196,8 +203,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="instead: the NLL change per position bin of the TOKENS-token perplexity windows")
     t.add_argument("--layers", action="store_true", help="instead: per-layer attention error (layers cells)")
     t.set_defaults(func=_cmd_table)
-    k = sub.add_parser("compare", help="two entries on their shared needle samples: McNemar's exact test "
-                       "on exact match, paired bootstrap on log-probability (Markdown)")
+    k = sub.add_parser("compare", help="two entries on their shared perplexity windows (paired bootstrap over "
+                       "(window, position bin) blocks) and needle samples (McNemar's exact test on exact "
+                       "match, paired bootstrap on log-probability) (Markdown)")
     k.add_argument("results", help="results folder (the --out of run)")
     k.add_argument("a", help="entry, e.g. tq_mse4@none")
     k.add_argument("b", help="entry to compare against, e.g. fp32")

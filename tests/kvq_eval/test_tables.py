@@ -9,7 +9,8 @@ import pytest
 from scipy.stats import binomtest
 
 from kvq_eval.cli import main
-from kvq_eval.plot import load_results, markdown_table, niah_summary, paired_comparison, plot_results, ppl_summary
+from kvq_eval.plot import (load_results, markdown_table, niah_summary, paired_comparison, paired_ppl, plot_results,
+                           ppl_summary)
 
 
 def _ppl(entry, tokens, dnll, bits):
@@ -69,6 +70,27 @@ def test_compare_mcnemar_and_bootstrap(folder, capsys):
     with pytest.raises(ValueError, match="must differ"):
         paired_comparison([], "a", "a")
     assert main(["compare", str(folder), "tq_mse4@none", "zip@none"]) == 2
+
+
+def test_paired_perplexity_over_window_position_blocks(folder, capsys):
+    """Two entries on the same windows: the paired unit is a (window, position bin) block, whose
+    difference is the difference of the cells' per-bin NLL changes (4 windows x 4 bins here)."""
+    import numpy as np
+
+    a, b = [0.05, 0.04, 0.06, 0.05], [0.001, 0.002, 0.0, 0.001]
+    cmp = paired_ppl(load_results(folder, "smollm2"), "tq_mse4@none", "tq_mse4@64,256")[1024]
+    blocks = np.array([(x - y) * (1 + k) for x, y in zip(a, b) for k in range(4)])
+    assert cmp["blocks"] == 16 and cmp["windows"] == 4
+    assert cmp["dnll"] == pytest.approx(blocks.mean(), rel=1e-12) and cmp["ci"][0] <= cmp["dnll"] <= cmp["ci"][1]
+    assert cmp["window_dnll"] == pytest.approx([x - y for x, y in zip(a, b)], rel=1e-9)
+    assert cmp["ratio_pct"] == pytest.approx(100 * math.expm1(blocks.mean()), rel=1e-12) and cmp["p"] < 0.01
+    assert main(["compare", str(folder), "tq_mse4@none", "tq_mse4@64,256"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("| window | windows | blocks |") and f"| 1K | 4 | 16 | {blocks.mean():+.4f} [" in out
+    assert paired_ppl(load_results(folder, "smollm2"), "tq_mse4@none", "fp32") == {}  # fp32 is every cell's reference
+    _write(folder / "smollm2", "ppl/c.json", _ppl("kivi4@none", 1024, [0.01, 0.02], 5.0))
+    with pytest.raises(ValueError, match="different 1024-token windows"):
+        paired_ppl(load_results(folder, "smollm2"), "kivi4@none", "tq_mse4@none")
 
 
 def test_bad_result_files_give_one_clear_error(tmp_path, capsys):
