@@ -171,16 +171,22 @@ class Evaluator:
                 "band_pairs": acc["band_pairs"]}
 
     # --- ppl ------------------------------------------------------------------------------------
-    def ppl(self, method: str, band: Band | None, tokens: int, windows: int) -> dict:
-        """Per-window NLL, KL and top-1 of ``windows`` consecutive held-out windows (module docstring)."""
+    def ppl(self, method: str, band: Band | None, tokens: int, windows: int, done=(), on_window=None) -> dict:
+        """Per-window NLL, KL and top-1 of ``windows`` consecutive held-out windows (module docstring).
+
+        ``done``: rows of the first windows, already computed (a resumed cell); ``on_window(rows)``
+        is called after each new window with every row so far.
+        """
         spec = self.spec(method, band)
-        rows = []
-        for ids in token_chunks(self.tok, part("heldout"), tokens, windows):
+        rows = list(done)
+        for ids in token_chunks(self.tok, part("heldout"), tokens, windows)[len(rows):]:
             t0 = time.perf_counter()
             ref = self._reference(ids)
             with session("simulate", spec):
                 out = self.model(ids).logits[0, :-1]
             rows.append({**_window_stats(ref, out, ids[0, 1:]), "seconds": time.perf_counter() - t0})
+            if on_window is not None:
+                on_window(rows)
         return {"method": method, "tokens": tokens, "text": "heldout", "windows": rows, "simulation": SIMULATION,
                 **self._band_record(spec, tokens)}
 
@@ -439,15 +445,45 @@ def plan(model: str, methods, out, contexts=(1024,), tasks=("ppl", "niah"), vari
     return units
 
 
-def compute(ev: Evaluator, unit: dict, need: list[str]) -> dict:
-    """The new content of one unit (not yet merged with what is stored)."""
+def _partial_path(unit: dict) -> Path:
+    """Where a perplexity cell keeps its finished windows until the cell is complete (not ``*.json``:
+    tables never read it)."""
+    return unit["path"].with_name(unit["path"].name + ".partial")
+
+
+def _partial_key(ev: Evaluator, unit: dict) -> dict:
+    method = parse_entry(unit["entry"])[0]
+    return {"entry": unit["entry"], "tokens": unit["tokens"], "windows": unit["windows"], "simulation": SIMULATION,
+            "calib_tokens": ev.calib_tokens if _calibrated(method) else None}
+
+
+def _resume_rows(ev: Evaluator, unit: dict) -> list:
+    """Finished windows of an interrupted perplexity cell made with the same settings, else none."""
+    path = _partial_path(unit)
+    try:
+        stored = json.loads(path.read_text()) if path.is_file() else None
+    except (OSError, json.JSONDecodeError):
+        stored = None
+    if not stored or stored.get("key") != _partial_key(ev, unit) or not isinstance(stored.get("rows"), list):
+        return []
+    return stored["rows"][:unit["windows"]]
+
+
+def compute(ev: Evaluator, unit: dict, need: list[str], resumable: bool = False) -> dict:
+    """The new content of one unit (not yet merged with what is stored). ``resumable``: a perplexity
+    cell saves each finished window beside its file and starts after the windows saved there."""
     task = unit["task"]
     if task == "niah":
         v, c, d, s = unit["cell"]
         return ev.niah(need, v, c, d, s)
     method, band, _ = parse_entry(unit["entry"])
     if task == "ppl":
-        res = ev.ppl(method, band, unit["tokens"], unit["windows"])
+        if resumable:
+            key = _partial_key(ev, unit)
+            res = ev.ppl(method, band, unit["tokens"], unit["windows"], done=_resume_rows(ev, unit),
+                         on_window=lambda rows: _write(_partial_path(unit), {"key": key, "rows": rows}))
+        else:
+            res = ev.ppl(method, band, unit["tokens"], unit["windows"])
     elif task == "layers":
         res = ev.layers(method, band, unit["tokens"])
     else:
@@ -463,7 +499,11 @@ def _finish(model: str, unit: dict, res: dict, seconds: float) -> None:
         res = _merge_niah(unit["path"], res)
     res.update({"model": model, "task": unit["task"]})
     res["wall_seconds"] = res.get("wall_seconds", 0.0) + seconds
+    if unit["task"] == "ppl":  # a resumed cell's windows carry their own seconds
+        res["wall_seconds"] = max(res["wall_seconds"], sum(w.get("seconds", 0.0) for w in res["windows"]))
     _write(unit["path"], res)
+    if unit["task"] == "ppl":
+        _partial_path(unit).unlink(missing_ok=True)
 
 
 _WORKER_EVALUATORS: dict = {}
@@ -563,7 +603,7 @@ def run_grid(model: str, methods, out, contexts=(1024,), tasks=("ppl", "niah"), 
         ev = Evaluator(model, calibrate=bool(calibrated), calib_tokens=calib_tokens)
         for unit, need in tqdm(todo, desc=f"kvq-eval {model}", unit="cell", disable=not show, file=sys.stderr):
             t0 = time.perf_counter()
-            res = compute(ev, unit, need)
+            res = compute(ev, unit, need, resumable=True)
             _finish(model, unit, res, time.perf_counter() - t0)
             summary["ran"] += 1
     return summary

@@ -286,3 +286,50 @@ def test_grid_v2_resumable_and_tables(lm, tmp_path, capsys):
     assert set(after["results"]) == set(cell["results"]) | {"tq_mse2@none", "tq_mse2@16,32"}
     assert main(["table", str(tmp_path)]) == 0
     assert "| tq_mse2@none | 2.25 |" in capsys.readouterr().out
+
+
+@pytest.mark.model
+def test_interrupted_perplexity_cell_resumes_after_its_saved_windows(lm, tmp_path, monkeypatch):
+    """A perplexity cell stopped after its first window keeps that window beside the cell file
+    (``*.json.partial``, which tables never read); the next run computes only the remaining
+    windows and gives the rows of an uninterrupted run. A partial file made with other settings
+    is ignored."""
+    import kvq_eval.runner as runner
+
+    kw = dict(tasks=("ppl",), bands=("none",), ppl_windows=((64, 3),), progress=False)
+    fresh = tmp_path / "fresh"
+    assert runner.run_grid("smollm2", ["tq_mse3"], fresh, **kw)["ran"] == 1
+    want = json.loads((fresh / "smollm2" / "ppl" / "tq_mse3__none__T64x3.json").read_text())
+
+    calls = []
+    real = runner._window_stats
+
+    class Stop(Exception):
+        pass
+
+    armed = [True]
+
+    def stop_at_second(*a, **k):
+        calls.append(1)
+        if len(calls) == 2 and armed[0]:
+            armed[0] = False
+            raise Stop
+        return real(*a, **k)
+
+    monkeypatch.setattr(runner, "_window_stats", stop_at_second)
+    with pytest.raises(Stop):
+        runner.run_grid("smollm2", ["tq_mse3"], tmp_path, **kw)
+    cell = tmp_path / "smollm2" / "ppl" / "tq_mse3__none__T64x3.json"
+    partial = cell.with_name(cell.name + ".partial")
+    assert not cell.exists() and len(json.loads(partial.read_text())["rows"]) == 1
+    calls.clear()
+    assert runner.run_grid("smollm2", ["tq_mse3"], tmp_path, **kw)["ran"] == 1
+    assert len(calls) == 2 and not partial.exists()  # windows 2 and 3 only
+    got = json.loads(cell.read_text())
+    strip = lambda rows: [{k: v for k, v in r.items() if k != "seconds"} for r in rows]  # noqa: E731
+    assert strip(got["windows"]) == strip(want["windows"])
+    # a partial file of other settings (another simulation version) is not resumed
+    partial.write_text(json.dumps({"key": {"entry": "tq_mse3@none", "simulation": 1}, "rows": [{"n": 1}]}))
+    cell.unlink()
+    calls.clear()
+    assert runner.run_grid("smollm2", ["tq_mse3"], tmp_path, **kw)["ran"] == 1 and len(calls) == 3
