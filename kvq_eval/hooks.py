@@ -43,10 +43,11 @@ _ACTIVE: list["Session"] = []
 QUERY_BLOCK = 1024  # query positions per block in simulate mode (bounds memory at long contexts)
 #: Version of the simulate-mode arithmetic, recorded in every cell that used it. 1 (cells without
 #: the field): dense float64 ``scores``/``accumulate`` per query block. 2: middle and band merged by
-#: log-sum-exp, values read through their float32 reconstruction (4x faster at 8K). The two agree
-#: to a float32 ulp per layer, but a per-window NLL moves by ~1e-3 nats between them: an ulp
-#: flips a few quantization codes in later layers (so does any 1e-7 change of the values), the
-#: simulation's own numerical noise floor (``tests/kvq_eval/test_simulate.py``).
+#: log-sum-exp, values read through their float32 reconstruction (4x faster per 8K window). The
+#: two agree to a float32 ulp per layer, but a window's NLL moves between them (0.009 nats per
+#: token of TurboQuantMSE-4's 0.020 at 1K, ``results/eval_v2/simulate_speed.json``): an ulp flips a
+#: few quantization codes in a later layer and the window ends on another, equally valid
+#: realization of the quantization noise (so does any tiny change of the values).
 SIMULATION = 2
 
 
