@@ -55,6 +55,8 @@ from .text import part
 __all__ = ["Evaluator", "run_grid", "entry_id", "parse_entry", "POSITION_BINS", "PREFILL_MODES"]
 
 POSITION_BINS = 16
+#: Largest fp32 reference logits (bytes) ``Evaluator._reference`` keeps on disk (SmolLM2 at 8K: 1.6 GB).
+REFERENCE_CACHE_MAX_BYTES = 2 << 30
 PREFILL_MODES = ("exact", "quantized")
 TASKS = ("ppl", "niah", "decode", "layers")
 
@@ -196,7 +198,8 @@ class Evaluator:
         Every method of a grid needs the same reference for a window (at 8K tokens its forward is a
         quarter of a perplexity cell), so it is kept under ``<cache>/reference/``, named by the model
         and a hash of the token ids, written atomically; an unreadable or mis-shaped file is
-        recomputed.
+        recomputed. Logits larger than ``REFERENCE_CACHE_MAX_BYTES`` (Gemma's 262K-token vocabulary
+        at 8K tokens: 8.6 GB) are recomputed each time instead of stored.
         """
         import torch
 
@@ -211,6 +214,8 @@ class Evaluator:
                 pass
         with session("off"):
             ref = self.model(ids).logits[0, :-1].float().contiguous()
+        if ref.numel() * 4 > REFERENCE_CACHE_MAX_BYTES:
+            return ref
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.npy")
         np.save(tmp, ref.numpy())

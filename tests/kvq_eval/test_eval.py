@@ -250,6 +250,12 @@ def test_reference_logits_are_cached_once_per_window(lm, tmp_path, monkeypatch):
     path.write_bytes(b"not an array")
     ev.model = model
     assert torch_equal(ev._reference(x), first) and np.load(path).shape == tuple(first.shape)
+    # logits above the size limit are recomputed, not stored
+    import kvq_eval.runner as runner
+
+    monkeypatch.setattr(runner, "REFERENCE_CACHE_MAX_BYTES", first.numel() * 4 - 1)
+    path.unlink()
+    assert torch_equal(ev._reference(x), first) and not any((tmp_path / "reference").iterdir())
 
 
 def torch_equal(a, b) -> bool:
