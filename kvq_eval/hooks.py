@@ -43,7 +43,7 @@ _ACTIVE: list["Session"] = []
 QUERY_BLOCK = 1024  # query positions per block in simulate mode (bounds memory at long contexts)
 #: Version of the simulate-mode arithmetic, recorded in every cell that used it. 1 (cells without
 #: the field): dense float64 ``scores``/``accumulate`` per query block. 2: middle and band merged by
-#: log-sum-exp, values read through their float32 reconstruction (4x faster per 8K window). The
+#: log-sum-exp, values read through their float32 reconstruction (7-14x per 8K layer). The
 #: two agree to a float32 ulp per layer, but a window's NLL moves between them (0.009 nats per
 #: token of TurboQuantMSE-4's 0.020 at 1K, ``results/eval_v2/simulate_speed.json``): an ulp flips a
 #: few quantization codes in a later layer and the window ends on another, equally valid

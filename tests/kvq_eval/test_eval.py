@@ -238,6 +238,8 @@ def test_cache_decode_equals_streaming_simulation(lm, name, sink, window):
 def test_reference_logits_are_cached_once_per_window(lm, tmp_path, monkeypatch):
     """The fp32 reference of a perplexity window is computed once, stored under the cache folder,
     read back by later cells (the model is not called again), and recomputed from a damaged file."""
+    from torch import equal as torch_equal
+
     model, tok, ids, ref = lm
     monkeypatch.setenv("KVQ_CACHE_DIR", str(tmp_path))
     ev = _evaluator(model, tok)
@@ -256,12 +258,6 @@ def test_reference_logits_are_cached_once_per_window(lm, tmp_path, monkeypatch):
     monkeypatch.setattr(runner, "REFERENCE_CACHE_MAX_BYTES", first.numel() * 4 - 1)
     path.unlink()
     assert torch_equal(ev._reference(x), first) and not any((tmp_path / "reference").iterdir())
-
-
-def torch_equal(a, b) -> bool:
-    import torch
-
-    return bool(torch.equal(a, b))
 
 
 @pytest.mark.model
