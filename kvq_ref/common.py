@@ -27,6 +27,8 @@ from typing import ClassVar
 import numpy as np
 from numba import njit, prange
 
+from .threads import rows_parallel
+
 __all__ = ["Encoded", "Quantizer", "RotatedQuantizer", "as_array", "codebook", "row_norm", "row_norms", "fp_dtype", "to_fp", "check_fp_finite", "check_shape"]
 
 
@@ -130,6 +132,7 @@ def row_norm(x) -> float:
     return math.sqrt(s)
 
 
+@rows_parallel
 @njit(parallel=True, cache=True)
 def row_norms(x):
     """``row_norm`` of every row of a 2-D array: shape (n,), float64."""

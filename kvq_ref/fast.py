@@ -19,6 +19,7 @@ from numba import njit, prange
 from .common import Encoded, as_array, fp_dtype, row_norm, to_fp
 from .packing import pack_row, unpack_row
 from .rotations import HadamardRotation, fwht_row
+from .threads import rows_parallel
 from .turboquant import TurboQuantMSE
 
 __all__ = ["encode_fast", "decode_fast"]
@@ -55,6 +56,7 @@ def _count_below(padded, y, lo, inv_width, first):
     return c
 
 
+@rows_parallel
 @njit(parallel=True, cache=True)
 def _encode(x, signs1, perm, signs2, block, padded, lo, inv_width, first, levels, bits, norm_correction,
             codes_out, scale_out):
@@ -88,6 +90,7 @@ def _encode(x, signs1, perm, signs2, block, padded, lo, inv_width, first, levels
                 scale_out[r] = norm
 
 
+@rows_parallel
 @njit(parallel=True, cache=True)
 def _decode(packed, scale, levels, bits, signs1, inv_perm, signs2, block, out):
     n, d = out.shape

@@ -76,11 +76,13 @@ from .official import clip_index, oscar_dequantize, oscar_quantize, oscar_thresh
     unpack_strided
 from .packing import pack_codes, packed_size, unpack_codes
 from .rotations import MatrixRotation
+from .threads import rows_parallel
 from .uniform import dequantize, group_quantile_range, quantize, quantize_range
 
 __all__ = ["NovaKV", "Oscar"]
 
 
+@rows_parallel
 @njit(parallel=True, cache=True)
 def nearest_centroids(shapes, groups, centroids, out):
     """Per token and group, the index of the nearest centroid (ties: lower index).

@@ -13,6 +13,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from .threads import rows_parallel
+
 __all__ = ["packed_size", "pack_codes", "unpack_codes", "pack_row", "unpack_row"]
 
 
@@ -69,12 +71,14 @@ def unpack_row(packed, bits, out):
     return acc == 0
 
 
+@rows_parallel
 @njit(parallel=True, cache=True)
 def _pack(codes, bits, out):
     for r in prange(codes.shape[0]):
         pack_row(codes[r], bits, out[r])
 
 
+@rows_parallel
 @njit(parallel=True, cache=True)
 def _unpack(packed, bits, out):
     bad = 0

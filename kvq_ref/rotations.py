@@ -25,6 +25,8 @@ from abc import ABC, abstractmethod
 import numpy as np
 from numba import njit, prange
 
+from .threads import rows_parallel
+
 __all__ = ["Rotation", "HaarRotation", "HadamardRotation", "MatrixRotation", "make_rotation", "rng", "fwht", "fwht_row",
            "hadamard_block_size", "STREAM_ROTATION", "STREAM_SKETCH", "STREAM_OUTLIER_SKETCH",
            "STREAM_MISC"]
@@ -77,6 +79,7 @@ def fwht_row(x, block):
             h *= 2
 
 
+@rows_parallel
 @njit(parallel=True, cache=True)
 def _fwht_rows(x, block):
     for r in prange(x.shape[0]):
