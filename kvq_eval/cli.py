@@ -120,11 +120,13 @@ def _cmd_plot(args) -> int:
 
 
 def _cmd_table(args) -> int:
-    from .plot import layers_table, load_results, markdown_table, position_table
+    from .plot import decode_table, layers_table, load_results, markdown_table, position_table
 
     res = load_results(args.results, args.model, _entries(args.entries))
     if args.positions is not None:
         print(position_table(res, args.positions))
+    elif args.decode:
+        print(decode_table(res))
     elif args.layers:
         print(layers_table(res))
     else:
@@ -133,18 +135,18 @@ def _cmd_table(args) -> int:
 
 
 def _cmd_compare(args) -> int:
-    from .plot import comparison_table, load_results, paired_comparison, paired_ppl, ppl_comparison_table
+    from .plot import (comparison_table, load_results, paired_comparison, paired_decode, paired_ppl,
+                       ppl_comparison_table)
 
     res = load_results(args.results, args.model)
-    ppl = paired_ppl(res, args.a, args.b)  # {} when one has no perplexity cell (fp32 never has one)
+    # perplexity windows and long decodes paired over blocks ({} when one entry has no such cell:
+    # fp32 never has a perplexity cell), then the needle samples
+    tables = [ppl_comparison_table(c, args.a, args.b)
+              for c in (paired_ppl(res, args.a, args.b), paired_decode(res, args.a, args.b)) if c]
     cells = [c for c in res["niah"] if args.variant is None or c["variant"] == args.variant]
-    has_niah = any(args.a in c["results"] for c in cells) and any(args.b in c["results"] for c in cells)
-    if ppl:
-        print(ppl_comparison_table(ppl, args.a, args.b))
-        if not has_niah:
-            return 0
-        print()
-    print(comparison_table(paired_comparison(cells, args.a, args.b), args.a, args.b))
+    if not tables or (any(args.a in c["results"] for c in cells) and any(args.b in c["results"] for c in cells)):
+        tables.append(comparison_table(paired_comparison(cells, args.a, args.b), args.a, args.b))
+    print("\n\n".join(tables))
     return 0
 
 
@@ -202,9 +204,11 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--positions", type=int, default=None, metavar="TOKENS",
                    help="instead: the NLL change per position bin of the TOKENS-token perplexity windows")
     t.add_argument("--layers", action="store_true", help="instead: per-layer attention error (layers cells)")
+    t.add_argument("--decode", action="store_true",
+                   help="instead: the long decodes (perplexity change over the generated tokens, KL, top-1)")
     t.set_defaults(func=_cmd_table)
-    k = sub.add_parser("compare", help="two entries on their shared perplexity windows (paired bootstrap over "
-                       "(window, position bin) blocks) and needle samples (McNemar's exact test on exact "
+    k = sub.add_parser("compare", help="two entries on their shared perplexity windows and long decodes (paired bootstrap "
+                       "over (window, position bin) blocks) and needle samples (McNemar's exact test on exact "
                        "match, paired bootstrap on log-probability) (Markdown)")
     k.add_argument("results", help="results folder (the --out of run)")
     k.add_argument("a", help="entry, e.g. tq_mse4@none")

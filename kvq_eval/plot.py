@@ -17,7 +17,7 @@ from .stats import bootstrap_mean_ci, mcnemar_exact, paired_bootstrap, wilson_in
 
 __all__ = ["load_results", "ppl_summary", "niah_summary", "paired_comparison", "comparison_table",
            "markdown_table", "position_table", "layers_table", "figures", "plot_results", "paired_ppl",
-           "ppl_comparison_table"]
+           "ppl_comparison_table", "paired_decode", "decode_summary", "decode_table"]
 
 _REQUIRED = {"ppl": ("entry", "tokens", "windows", "bits_per_element", "band"),
              "niah": ("variant", "context", "sample", "results"),
@@ -40,7 +40,8 @@ def _load(path: Path, task: str) -> dict:
 
 
 def load_results(folder, model: str, entries=None) -> dict:
-    """``{"ppl": {entry: {tokens: row}}, "niah": [cell], "decode": {entry: row}, "layers": {entry: row}}``.
+    """``{"ppl": {entry: {tokens: row}}, "niah": [cell], "decode": {entry: {(prefix, new_tokens): row}},
+    "layers": {entry: row}}``.
 
     ``entries`` (optional) keeps only those entries (``fp32``, ``<method>@<band>[+qprefill]``).
     Raises ``FileNotFoundError`` when the folder has no results of ``model`` and ``ValueError``
@@ -58,11 +59,14 @@ def load_results(folder, model: str, entries=None) -> dict:
         row = _load(f, "ppl")
         if keep is None or row["entry"] in keep:
             out["ppl"].setdefault(row["entry"], {})[int(row["tokens"])] = row
-    for task in ("decode", "layers"):
-        for f in sorted((root / task).glob("*.json")):
-            row = _load(f, task)
-            if keep is None or row["entry"] in keep:
-                out[task][row["entry"]] = row
+    for f in sorted((root / "decode").glob("*.json")):
+        row = _load(f, "decode")
+        if keep is None or row["entry"] in keep:
+            out["decode"].setdefault(row["entry"], {})[(int(row["prefix"]), int(row["new_tokens"]))] = row
+    for f in sorted((root / "layers").glob("*.json")):
+        row = _load(f, "layers")
+        if keep is None or row["entry"] in keep:
+            out["layers"][row["entry"]] = row
     for f in sorted((root / "niah").glob("*.json")):
         cell = _load(f, "niah")
         if keep is not None:
@@ -132,10 +136,7 @@ def paired_comparison(cells: list[dict], a: str, b: str) -> dict:
         McNemar's exact test on exact match and a paired bootstrap of the log-probability
         difference ``a - b`` (``kvq_eval.stats``).
     """
-    if not isinstance(a, str) or not isinstance(b, str):
-        raise TypeError("entries a and b must be str")
-    if a == b:
-        raise ValueError(f"entries a and b must differ, got {a!r} twice")
+    _check_pair(a, b)
     seen = set().union(*(cell["results"] for cell in cells)) if cells else set()
     for name, m in (("a", a), ("b", b)):
         if m not in seen:
@@ -159,6 +160,27 @@ def paired_comparison(cells: list[dict], a: str, b: str) -> dict:
     return out
 
 
+def _check_pair(a, b) -> None:
+    if not isinstance(a, str) or not isinstance(b, str):
+        raise TypeError("entries a and b must be str")
+    if a == b:
+        raise ValueError(f"entries a and b must differ, got {a!r} twice")
+
+
+def _paired_blocks(wa: list[dict], wb: list[dict], what: str) -> dict:
+    """Paired bootstrap over (window, position bin) blocks of two entries' windows of the same
+    tokens (``paired_ppl``)."""
+    if len(wa) != len(wb) or any(x["n"] != y["n"] for x, y in zip(wa, wb)):
+        raise ValueError(f"{what}: the two entries hold different windows ({len(wa)} vs {len(wb)}); "
+                         f"compare cells of the same settings")
+    da = np.concatenate([x["dnll_bins"] for x in wa])
+    db = np.concatenate([y["dnll_bins"] for y in wb])
+    pb = paired_bootstrap(da, db)
+    return {"windows": len(wa), "blocks": int(da.size), "dnll": pb["mean_diff"], "ci": pb["ci"], "p": pb["p"],
+            "ratio_pct": 100.0 * math.expm1(pb["mean_diff"]),
+            "window_dnll": [(x["nll_q"] - y["nll_q"]) / x["n"] for x, y in zip(wa, wb)]}
+
+
 def paired_ppl(res: dict, a: str, b: str) -> dict:
     """Entry ``a`` against entry ``b`` on the perplexity windows both were run on, per window length.
 
@@ -176,34 +198,69 @@ def paired_ppl(res: dict, a: str, b: str) -> dict:
         difference ``a - b`` in nats per token with its 95 % interval and bootstrap p, the same as a
         perplexity ratio ``100 (exp(dnll) - 1)`` %, and the per-window differences.
     """
-    if not isinstance(a, str) or not isinstance(b, str):
-        raise TypeError("entries a and b must be str")
-    if a == b:
-        raise ValueError(f"entries a and b must differ, got {a!r} twice")
+    _check_pair(a, b)
     ppl = res["ppl"]
+    return {t: _paired_blocks(ppl[a][t]["windows"], ppl[b][t]["windows"], f"{a!r} and {b!r} at {t} tokens")
+            for t in sorted(set(ppl.get(a, {})) & set(ppl.get(b, {})))}
+
+
+def paired_decode(res: dict, a: str, b: str) -> dict:
+    """``paired_ppl`` for the long-decode cells: entry ``a`` against ``b`` on the generated tokens
+    of the windows both decoded, per (prefix, new tokens) setting; the blocks are the cells'
+    position bins of the generated tokens (32 tokens each for 512)."""
+    _check_pair(a, b)
+    dec = res["decode"]
+    return {k: _paired_blocks(dec[a][k]["windows"], dec[b][k]["windows"], f"{a!r} and {b!r} decoding {k}")
+            for k in sorted(set(dec.get(a, {})) & set(dec.get(b, {})))}
+
+
+def decode_summary(res: dict) -> dict:
+    """{entry: {(prefix, new_tokens): {"windows", "tokens", "dppl", "ci", "kl", "top1", "bits", "prefill"}}}.
+
+    Over the generated tokens of every window: the perplexity change against fp32's full forward
+    with a bootstrap interval over (window, position bin) blocks (a decode cell holds few windows),
+    KL per token and top-1 agreement. fp32's own row measures incremental decoding against one
+    full forward: its floor.
+    """
     out = {}
-    for t in sorted(set(ppl.get(a, {})) & set(ppl.get(b, {}))):
-        wa, wb = ppl[a][t]["windows"], ppl[b][t]["windows"]
-        if len(wa) != len(wb) or any(x["n"] != y["n"] for x, y in zip(wa, wb)):
-            raise ValueError(f"{a!r} and {b!r} were run on different {t}-token windows "
-                             f"({len(wa)} vs {len(wb)}); compare cells of the same --ppl-windows")
-        da = np.concatenate([x["dnll_bins"] for x in wa])
-        db = np.concatenate([y["dnll_bins"] for y in wb])
-        pb = paired_bootstrap(da, db)
-        out[t] = {"windows": len(wa), "blocks": int(da.size), "dnll": pb["mean_diff"], "ci": pb["ci"], "p": pb["p"],
-                  "ratio_pct": 100.0 * math.expm1(pb["mean_diff"]),
-                  "window_dnll": [(x["nll_q"] - y["nll_q"]) / x["n"] for x, y in zip(wa, wb)]}
+    for entry, by in res["decode"].items():
+        for k, row in by.items():
+            w = row["windows"]
+            n = sum(x["n"] for x in w)
+            blocks = np.concatenate([x["dnll_bins"] for x in w])
+            lo, hi = bootstrap_mean_ci(blocks)
+            pct = lambda x: 100.0 * math.expm1(x)  # noqa: E731
+            out.setdefault(entry, {})[k] = {
+                "windows": len(w), "tokens": n, "dppl": pct(sum(x["nll_q"] - x["nll_f"] for x in w) / n),
+                "ci": (pct(lo), pct(hi)), "kl": sum(x["kl"] for x in w) / n, "top1": sum(x["top1"] for x in w) / n,
+                "bits": float(np.mean([x.get("bits_per_element", 32.0) for x in w])), "prefill": row["prefill"]}
     return out
 
 
+def decode_table(res: dict) -> str:
+    """``decode_summary`` as a Markdown table, one row per (entry, setting), sorted by stored bits."""
+    dec = decode_summary(res)
+    if not dec:
+        raise ValueError("no decode cells (run kvq-eval run --tasks decode)")
+    head = ["entry", "prefill", "prefix + new", "bits", "Δppl [95% CI] (windows)", "KL", "top-1"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows = [(e, k, r) for e, by in dec.items() for k, r in by.items()]
+    for e, (pre, new), r in sorted(rows, key=lambda x: (x[0] != "fp32", x[2]["bits"], x[0], x[1])):
+        lines.append(f"| {e} | {r['prefill']} | {pre} + {new} | {r['bits']:.2f} | {r['dppl']:+.2f}% "
+                     f"[{r['ci'][0]:+.2f}, {r['ci'][1]:+.2f}] ({r['windows']}) | {r['kl']:.4f} | {r['top1']:.3f} |")
+    return "\n".join(lines)
+
+
 def ppl_comparison_table(cmp: dict, a: str, b: str) -> str:
-    """``paired_ppl`` as a Markdown table, one row per window length."""
+    """``paired_ppl`` (or ``paired_decode``) as a Markdown table, one row per window length (or
+    decode setting)."""
     head = ["window", "windows", "blocks", f"Δ NLL {a} − {b} (nats/token) [95% CI]", "ppl ratio", "bootstrap p",
             "per window"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for t, r in cmp.items():
         per = ", ".join(f"{x:+.4f}" for x in r["window_dnll"])
-        lines.append(f"| {_ctx(t)} | {r['windows']} | {r['blocks']} | {r['dnll']:+.4f} [{r['ci'][0]:+.4f}, "
+        label = _ctx(t) if isinstance(t, int) else f"decode {t[0]} + {t[1]}"
+        lines.append(f"| {label} | {r['windows']} | {r['blocks']} | {r['dnll']:+.4f} [{r['ci'][0]:+.4f}, "
                      f"{r['ci'][1]:+.4f}] | {r['ratio_pct']:+.2f}% | {r['p']:.3g} | {per} |")
     return "\n".join(lines)
 

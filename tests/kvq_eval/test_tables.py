@@ -9,8 +9,8 @@ import pytest
 from scipy.stats import binomtest
 
 from kvq_eval.cli import main
-from kvq_eval.plot import (load_results, markdown_table, niah_summary, paired_comparison, paired_ppl, plot_results,
-                           ppl_summary)
+from kvq_eval.plot import (decode_summary, decode_table, load_results, markdown_table, niah_summary,
+                           paired_comparison, paired_decode, paired_ppl, plot_results, ppl_summary)
 
 
 def _ppl(entry, tokens, dnll, bits):
@@ -89,7 +89,7 @@ def test_paired_perplexity_over_window_position_blocks(folder, capsys):
     assert out.startswith("| window | windows | blocks |") and f"| 1K | 4 | 16 | {blocks.mean():+.4f} [" in out
     assert paired_ppl(load_results(folder, "smollm2"), "tq_mse4@none", "fp32") == {}  # fp32 is every cell's reference
     _write(folder / "smollm2", "ppl/c.json", _ppl("kivi4@none", 1024, [0.01, 0.02], 5.0))
-    with pytest.raises(ValueError, match="different 1024-token windows"):
+    with pytest.raises(ValueError, match="at 1024 tokens: the two entries hold different windows"):
         paired_ppl(load_results(folder, "smollm2"), "kivi4@none", "tq_mse4@none")
 
 
@@ -160,3 +160,51 @@ def test_interrupted_run_is_logged_with_what_it_wrote(tmp_path, monkeypatch, cap
     assert line["command"].startswith("kvq-eval run --methods tq_mse4") and line["wall_seconds"] >= 0
     assert "3 cell(s) run, 2 already done, of 10" in capsys.readouterr().out
     assert signal.getsignal(signal.SIGTERM) is not None
+
+
+def _decode(entry, prefill, dnll, bits, new=64):
+    """A decode cell: one window per value of ``dnll`` (NLL change per generated token), whose 4
+    position bins hold dnll * (1, 2, 3, 4) / 2.5 (mean dnll)."""
+    windows = [{"n": new, "nll_q": (2.0 + d) * new, "nll_f": 2.0 * new, "kl": 0.02 * new, "top1": new - 4,
+                "dnll_bins": [d * (1 + b) / 2.5 for b in range(4)], "bits_per_element": bits} for d in dnll]
+    return {"entry": entry, "prefill": prefill, "prefix": 1024, "new_tokens": new, "windows": windows, "task": "decode"}
+
+
+def test_decode_table_and_paired_decode(folder, capsys):
+    """Long decodes: the perplexity change over the generated tokens with an interval over (window,
+    position bin) blocks, and two entries paired on the same blocks."""
+    import numpy as np
+
+    root = folder / "smollm2"
+    _write(root, "decode/f.json", _decode("fp32", "exact", [0.0, 0.0], 32.0))
+    _write(root, "decode/a.json", _decode("tq_mse4@none", "exact", [0.05, 0.07], 4.25))
+    _write(root, "decode/b.json", _decode("tq_mse4@none+qprefill", "quantized", [0.08, 0.09], 4.25))
+    _write(root, "decode/c.json", _decode("tq_mse4@none", "exact", [0.05], 4.25, new=128))  # another setting
+    res = load_results(folder, "smollm2")
+    assert set(res["decode"]["tq_mse4@none"]) == {(1024, 64), (1024, 128)}
+    row = decode_summary(res)["tq_mse4@none"][(1024, 64)]
+    assert row["dppl"] == pytest.approx(100 * math.expm1(0.06), rel=1e-12) and row["windows"] == 2
+    assert row["ci"][0] < row["dppl"] < row["ci"][1] and row["tokens"] == 128 and row["prefill"] == "exact"
+    assert row["kl"] == pytest.approx(0.02) and row["top1"] == pytest.approx(60 / 64) and row["bits"] == 4.25
+    table = decode_table(res).splitlines()
+    assert table[0] == "| entry | prefill | prefix + new | bits | Δppl [95% CI] (windows) | KL | top-1 |"
+    assert table[2].startswith("| fp32 | exact | 1024 + 64 | 32.00 | +0.00% [+0.00, +0.00] (2) |")
+    assert [r.split(" | ")[0] for r in table[3:]] == ["| tq_mse4@none"] * 2 + ["| tq_mse4@none+qprefill"]
+    cmp = paired_decode(res, "tq_mse4@none+qprefill", "tq_mse4@none")
+    assert list(cmp) == [(1024, 64)]  # only the setting both decoded
+    blocks = np.array([(x - y) * (1 + k) / 2.5 for x, y in zip([0.08, 0.09], [0.05, 0.07]) for k in range(4)])
+    c = cmp[(1024, 64)]
+    assert c["blocks"] == 8 and c["dnll"] == pytest.approx(blocks.mean(), rel=1e-12)
+    assert c["window_dnll"] == pytest.approx([0.03, 0.02], rel=1e-9)
+    assert main(["table", str(folder), "--decode"]) == 0 and "| tq_mse4@none+qprefill | quantized |" in capsys.readouterr().out
+    assert main(["compare", str(folder), "tq_mse4@none+qprefill", "tq_mse4@none"]) == 0
+    assert f"| decode 1024 + 64 | 2 | 8 | {blocks.mean():+.4f} [" in capsys.readouterr().out
+    # an entry on both perplexity windows and needles still prints the needle table after the ppl one
+    assert main(["compare", str(folder), "tq_mse4@none", "fp32"]) == 0
+    out = capsys.readouterr().out
+    assert "| decode 1024 + 64 |" in out and "| 1024 | 12 | 0 | 3 | 7 | 2 |" in out
+
+
+def test_decode_table_without_cells_is_an_error(folder, capsys):
+    assert main(["table", str(folder), "--decode"]) == 2
+    assert "no decode cells" in capsys.readouterr().err
