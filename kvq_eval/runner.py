@@ -55,8 +55,6 @@ from .text import part
 __all__ = ["Evaluator", "run_grid", "entry_id", "parse_entry", "POSITION_BINS", "PREFILL_MODES"]
 
 POSITION_BINS = 16
-#: Largest fp32 reference logits (bytes) ``Evaluator._reference`` keeps on disk (SmolLM2 at 8K: 1.6 GB).
-REFERENCE_CACHE_MAX_BYTES = 2 << 30
 PREFILL_MODES = ("exact", "quantized")
 TASKS = ("ppl", "niah", "decode", "layers")
 
@@ -100,18 +98,23 @@ def _calibrated(method: str) -> bool:
     return method != "fp32" and bool(method_info(method).get("calibrated"))
 
 
-def _window_stats(ref, out, target, chunk: int = 512) -> dict:
+def _window_stats(ref, out, target, chunk: int = 512, head=None) -> dict:
     """Summed NLL of the quantized and the fp32 logits, KL(fp32 || quant), top-1 agreement and the
     NLL/KL change per position bin, for logits (T, vocab) predicting ``target`` (T,).
 
     Formed in float64 over ``chunk`` positions at a time: an 8K window's float64 log-softmaxes
-    would otherwise hold several 3 GiB arrays at once.
+    would otherwise hold several 3 GiB arrays at once. With ``head`` (``Evaluator._head``),
+    ``ref`` and ``out`` are final hidden states (T, hidden) and each chunk's logits are formed
+    here: an 8K window of Gemma's 262K-token vocabulary never holds its 8.6 GB of logits.
     """
     import torch
 
     nf, nq, kl, top1 = [], [], [], 0
     for lo in range(0, target.numel(), chunk):
-        r, o, tg = ref[lo:lo + chunk].double(), out[lo:lo + chunk].double(), target[lo:lo + chunk]
+        r, o, tg = ref[lo:lo + chunk], out[lo:lo + chunk], target[lo:lo + chunk]
+        if head is not None:
+            r, o = head(r), head(o)
+        r, o = r.double(), o.double()
         lp, lq = torch.log_softmax(r, -1), torch.log_softmax(o, -1)
         nf.append(-lp.gather(1, tg[:, None])[:, 0])
         nq.append(-lq.gather(1, tg[:, None])[:, 0])
@@ -185,26 +188,41 @@ class Evaluator:
             t0 = time.perf_counter()
             ref = self._reference(ids)
             with session("simulate", spec):
-                out = self.model(ids).logits[0, :-1]
-            rows.append({**_window_stats(ref, out, ids[0, 1:]), "seconds": time.perf_counter() - t0})
+                out = self._hidden(ids)
+            rows.append({**_window_stats(ref, out, ids[0, 1:], head=self._head), "seconds": time.perf_counter() - t0})
             if on_window is not None:
                 on_window(rows)
         return {"method": method, "tokens": tokens, "text": "heldout", "windows": rows, "simulation": SIMULATION,
                 **self._band_record(spec, tokens)}
 
+    def _hidden(self, ids):
+        """Final hidden states (T - 1, hidden) of a window: what the language-model head turns into
+        the logits predicting tokens 1..T-1 (``_head``)."""
+        return self.model.model(ids).last_hidden_state[0, :-1]
+
+    def _head(self, hidden):
+        """Logits of hidden-state rows exactly as the model's forward forms them (its head, then
+        the final soft-capping where the model has one)."""
+        import torch
+
+        logits = self.model.lm_head(hidden)
+        cap = getattr(self.model.config, "final_logit_softcapping", None)
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
     def _reference(self, ids):
-        """float32 logits (T - 1, vocab) of a window under stock attention, computed once per machine.
+        """float32 final hidden states (T - 1, hidden) of a window under stock attention, computed
+        once per machine.
 
         Every method of a grid needs the same reference for a window (at 8K tokens its forward is a
-        quarter of a perplexity cell), so it is kept under ``<cache>/reference/``, named by the model
-        and a hash of the token ids, written atomically; an unreadable or mis-shaped file is
-        recomputed. Logits larger than ``REFERENCE_CACHE_MAX_BYTES`` (Gemma's 262K-token vocabulary
-        at 8K tokens: 8.6 GB) are recomputed each time instead of stored.
+        quarter of a perplexity cell), so it is kept under ``<cache>/reference/``, named by the
+        model and a hash of the token ids, written atomically; an unreadable or mis-shaped file is
+        recomputed. Hidden states, not logits: 19 MB for an 8K SmolLM2 window instead of 1.6 GB
+        of logits (8.6 GB for Gemma's vocabulary); ``_head`` forms the logits chunk by chunk.
         """
         import torch
 
         key = hashlib.sha256(np.ascontiguousarray(ids.numpy(), dtype=np.int64).tobytes()).hexdigest()[:24]
-        path = cache_dir() / "reference" / f"{self.name}-{key}.npy"
+        path = cache_dir() / "reference" / f"{self.name}-hidden-{key}.npy"
         if path.is_file():
             try:
                 arr = np.load(path)
@@ -213,9 +231,7 @@ class Evaluator:
             except (OSError, ValueError):
                 pass
         with session("off"):
-            ref = self.model(ids).logits[0, :-1].float().contiguous()
-        if ref.numel() * 4 > REFERENCE_CACHE_MAX_BYTES:
-            return ref
+            ref = self._hidden(ids).float().contiguous()
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.npy")
         np.save(tmp, ref.numpy())
