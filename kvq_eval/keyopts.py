@@ -9,12 +9,18 @@ the quantized centred key, without ever adding ``q . mu`` back, provided every k
 (band tokens included) is scored centred. ``CenteredKeys`` wraps TurboQuantMSE, TurboQuantSplit
 or QuaRot so: ``encode(k) = inner.encode(k - mu)``, ``decode = inner.decode + mu`` and ``scores``
 returns ``q . mu + inner.scores`` so that it mixes with exactly scored band keys in the evaluation
-(``tests/kvq_eval/test_keyopts.py`` proves both forms give the same attention). ``mu`` is the
+(``tests/kvq_eval/test_protocol.py`` proves both forms give the same attention). ``mu`` is the
 calibration mean of the (layer, head) keys (``CalibrationStats``), so these methods are calibrated
 and their mean (``d`` float32) is counted in their stored bits (``kvq_eval.accounting``).
 
 Registered names (``study_methods``): ``<base>-mc`` for base in tq_mse2/3/4, tq_split2.5/3.5,
 quarot2/4; ``tq_k4v2``, ``tq_k5v3``, ``tq_k8v4`` (TurboQuantMSE with more bits on keys than values).
+
+Where a rotation hurts
+----------------------
+``key_structure`` measures, on exact keys and queries, the two numbers that say how much of a
+rotation quantizer's key error reaches the attention: the share of key energy in the
+token-constant mean, and the logit spread relative to an isotropic error (``logit_snr``).
 """
 
 from __future__ import annotations
@@ -27,7 +33,8 @@ import numpy as np
 from kvq_ref.common import Encoded, Quantizer, as_array
 from kvq_ref.turboquant import TurboQuantMSE
 
-__all__ = ["CenteredKeys", "centered", "kv_split", "study_methods", "CENTERED_BASES", "KV_SPLITS"]
+__all__ = ["CenteredKeys", "centered", "kv_split", "study_methods", "key_structure", "CENTERED_BASES",
+           "KV_SPLITS"]
 
 CENTERED_BASES = ("tq_mse2", "tq_mse3", "tq_mse4", "tq_split2.5", "tq_split3.5", "quarot2", "quarot4")
 KV_SPLITS = {"tq_k4v2": (4, 2), "tq_k5v3": (5, 3), "tq_k8v4": (8, 4)}
@@ -124,3 +131,52 @@ def study_methods(methods: dict, seed) -> dict:
     for name, (kb, vb) in KV_SPLITS.items():
         out[name] = dict(make=kv_split(kb, vb, seed), nominal_bits=(kb + vb) / 2)
     return out
+
+
+def key_structure(q, k) -> tuple[float, float]:
+    """Key mean share and logit SNR of one head's exact queries and keys.
+
+    Parameters
+    ----------
+    q : array_like, shape (m, d)
+        Queries (m >= 1), finite.
+    k : array_like, shape (T, d)
+        The keys they attend to (T >= 2), finite.
+
+    Returns
+    -------
+    mean_share : float
+        ``||mu||^2 / mean_t ||k_t||^2`` with ``mu`` the keys' mean, in [0, 1].
+    logit_snr : float
+        ``mean_i Var_t(q_i . k_t) / (mean_i ||q_i||^2 * mean_t ||k_t||^2 / d)``, >= 0. Both are 0
+        when every key (or, for ``logit_snr``, every query) is zero.
+
+    Notes
+    -----
+    A rotation quantizer with relative MSE ``D`` (``E||k_hat - k||^2 = D ||k||^2``, the error
+    isotropic after the random rotation) adds logit noise of variance ``D ||q||^2 ||k||^2 / d``,
+    while a query's useful signal is its logits' spread over the keys (``q . mu`` cancels in
+    softmax). ``logit_snr / D`` is that signal-to-noise ratio: 1 for zero-mean isotropic keys, and
+    small where the keys' energy sits in their mean (``mean_share``; mean-centred keys divide the
+    noise by ``1 - mean_share``) or where queries point along directions in which keys barely
+    vary. Per-channel quantizers such as KIVI scale their error with each channel's own range
+    instead, so neither number limits them the same way. Variances are population (``ddof=0``).
+    """
+    q, k = np.asarray(q, dtype=np.float64), np.asarray(k, dtype=np.float64)
+    if q.ndim != 2 or q.shape[0] < 1:
+        raise ValueError(f"q must have shape (m, d) with m >= 1, got {q.shape}")
+    if k.ndim != 2 or k.shape[0] < 2 or k.shape[1] != q.shape[1]:
+        raise ValueError(f"k must have shape (T, {q.shape[1]}) with T >= 2, got {k.shape}")
+    if not (np.all(np.isfinite(q)) and np.all(np.isfinite(k))):
+        raise ValueError("q and k must be finite")
+    d = k.shape[1]
+    energy = float(np.mean(np.sum(k * k, axis=1)))
+    qn = float(np.mean(np.sum(q * q, axis=1)))
+    if energy == 0.0:
+        return 0.0, 0.0
+    mu = k.mean(axis=0)
+    share = min(1.0, float(mu @ mu) / energy)
+    if qn == 0.0:
+        return share, 0.0
+    spread = float(np.mean(np.var(q @ k.T, axis=1)))
+    return share, spread / (qn * energy / d)

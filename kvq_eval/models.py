@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["MODELS", "ModelInfo", "cache_dir", "load_model", "locate_gguf"]
+__all__ = ["MODELS", "ModelInfo", "cache_dir", "load_model", "locate_gguf", "share_threads"]
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -97,3 +97,23 @@ def load_model(name: str = "smollm2"):
         tok.save_pretrained(fp32)
     model.eval()
     return model, tok, info
+
+
+def share_threads(torch) -> None:
+    """Start Numba's threading layer now, with torch's thread count, and keep torch's count.
+
+    Numba's OpenMP layer sets the process's OpenMP thread count to its own default (every core)
+    when it starts, and torch reads that count: without this, the first kvq_ref quantizer call of
+    a process moved torch from ``OMP_NUM_THREADS`` to every core, and the forward passes after it
+    differed from the ones before it in the last float32 bits.
+
+    Parameters
+    ----------
+    torch : module
+        The imported ``torch`` (passed in so that this module imports it lazily, as elsewhere).
+    """
+    import numba
+
+    n = torch.get_num_threads()
+    numba.set_num_threads(max(1, min(n, numba.config.NUMBA_NUM_THREADS)))  # starts the layer
+    torch.set_num_threads(n)

@@ -399,7 +399,9 @@ def position_table(res: dict, tokens: int) -> str:
 
 
 def layers_table(res: dict) -> str:
-    """Per-layer attention-output relative error (``layers`` cells), one row per entry."""
+    """Per-layer attention-output relative error (``layers`` cells), one row per entry; then the
+    exact keys' mean share and logit SNR (``keyopts.key_structure``) when a cell records them (the
+    same window for every method, so one cell gives them)."""
     if not res["layers"]:
         raise ValueError("no layers cells (run kvq-eval run --tasks layers)")
     n = max(len(r["attn_rel_err"]) for r in res["layers"].values())
@@ -407,4 +409,8 @@ def layers_table(res: dict) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for e, r in sorted(res["layers"].items()):
         lines.append("| " + " | ".join([e] + [f"{x:.3f}" for x in r["attn_rel_err"]]) + " |")
+    exact = next((r for _, r in sorted(res["layers"].items()) if "key_mean_share" in r), None)
+    if exact is not None:
+        for label, key in (("exact keys: mean share", "key_mean_share"), ("exact keys: logit SNR", "logit_snr")):
+            lines.append("| " + " | ".join([label] + [f"{x:.3f}" for x in exact[key]]) + " |")
     return "\n".join(lines)

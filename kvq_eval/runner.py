@@ -47,8 +47,9 @@ from .accounting import cache_bits, pair_weighted_bits, spec_rates
 from .band import Band, parse_band
 from .calib import capture, calibration_tables, token_chunks
 from .hooks import SIMULATION, QuantizedCache, cache_kwargs, register, session
+from .keyopts import key_structure
 from .methods import make_spec, method_info
-from .models import cache_dir, load_model
+from .models import cache_dir, load_model, share_threads
 from .niah import VARIANTS, exact_match, make_sample
 from .text import part
 
@@ -145,6 +146,7 @@ class Evaluator:
 
         _check_calib_tokens(calib_tokens)
         torch.set_grad_enabled(False)
+        share_threads(torch)
         self.name = model_name
         self.calib_tokens = calib_tokens
         self.model, self.tok, self.info = load_model(model_name)
@@ -240,15 +242,20 @@ class Evaluator:
 
     # --- layers ---------------------------------------------------------------------------------
     def layers(self, method: str, band: Band | None, tokens: int = 1024, queries: int = 64) -> dict:
-        """Per-layer attention-output relative error and logit MSE from captured Q/K/V."""
+        """Per-layer attention-output relative error and logit MSE from captured Q/K/V, and the
+        exact keys' structure (``keyopts.key_structure``, head mean; the same for every method)."""
         spec = self.spec(method, band)
         ids = token_chunks(self.tok, part("heldout"), tokens, 1)[0]
         cap = capture(self.model, ids)
-        rel, lmse = [], []
+        rel, lmse, share, snr = [], [], [], []
         for layer in sorted(cap):
             q, k, v = (x.astype(np.float64) for x in cap[layer])
             g = q.shape[0] // k.shape[0]
             errs, mses = [], []
+            structure = [key_structure(q[h * g:(h + 1) * g, -queries:].reshape(-1, k.shape[-1]), k[h])
+                         for h in range(k.shape[0])]
+            share.append(float(np.mean([s[0] for s in structure])))
+            snr.append(float(np.mean([s[1] for s in structure])))
             for h in range(k.shape[0]):
                 d = k.shape[-1]
                 cache = QuantizedKV.build(k[h], v[h], spec.key(layer, h, d), spec.value(layer, h, d),
@@ -258,7 +265,8 @@ class Evaluator:
                 mses.append(logit_mse(qq, k[h], cache))
             rel.append(float(np.mean(errs)))
             lmse.append(float(np.mean(mses)))
-        return {"method": method, "attn_rel_err": rel, "logit_mse": lmse, "tokens": tokens, "queries": queries,
+        return {"method": method, "attn_rel_err": rel, "logit_mse": lmse, "key_mean_share": share,
+                "logit_snr": snr, "tokens": tokens, "queries": queries,
                 **self._band_record(spec, tokens)}
 
     # --- caches ---------------------------------------------------------------------------------

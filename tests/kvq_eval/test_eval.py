@@ -89,6 +89,28 @@ def test_calibration_length_is_validated_before_any_model_load(tmp_path, bad):
 # with SmolLM2 (a few hundred tokens)
 
 
+def test_numba_does_not_move_torch_threads():
+    """In a fresh process with torch on one thread, kvq_ref's first Numba call (which starts Numba's
+    OpenMP layer) must leave torch on one thread once the evaluator has shared its count. Without
+    ``share_threads`` torch moves to Numba's default, every core (so this can only fail on a
+    machine with 2 or more cores)."""
+    import subprocess
+    import sys
+
+    code = ("import numpy as np, torch\n"
+            "torch.set_num_threads(1)\n"
+            "from kvq_eval.models import share_threads\n"
+            "share_threads(torch)\n"
+            "from kvq_ref import TurboQuantMSE\n"
+            "m = TurboQuantMSE(64, 3)\n"
+            "for n in (10, 1000):\n"
+            "    m.decode(m.encode(np.random.default_rng(0).standard_normal((n, 64))))\n"
+            "print(torch.get_num_threads())\n")
+    pytest.importorskip("torch")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split()[-1] == "1"
+
+
 @pytest.fixture(scope="module")
 def lm():
     pytest.importorskip("transformers")
@@ -355,3 +377,39 @@ def test_interrupted_perplexity_cell_resumes_after_its_saved_windows(lm, tmp_pat
     cell.unlink()
     calls.clear()
     assert runner.run_grid("smollm2", ["tq_mse3"], tmp_path, **kw)["ran"] == 1 and len(calls) == 3
+
+
+@pytest.mark.model
+def test_layers_task_records_errors_and_key_structure(lm):
+    """The layers task: one attention error and one logit MSE per layer (0 for the identity method,
+    > 0 for TurboQuantMSE-3), and the exact keys' structure, equal to ``key_structure`` on the
+    captured Q/K of the same window (the same for every method, bit for bit)."""
+    from kvq_eval.band import parse_band
+    from kvq_eval.calib import capture, token_chunks
+    from kvq_eval.keyopts import key_structure
+    from kvq_eval.runner import Evaluator
+    from kvq_eval.text import part
+
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # below Numba's default (every core), the case that used to drift
+    try:
+        ev = Evaluator("smollm2", calibrate=False)
+        tq = ev.layers("tq_mse3", parse_band("none"), tokens=128, queries=8)
+        # kvq_ref's Numba kernels left torch's thread count alone, so the next capture is bit-equal
+        assert torch.get_num_threads() == 1
+        ident = ev.layers("identity", parse_band("none"), tokens=128, queries=8)
+    finally:
+        torch.set_num_threads(threads)
+    n = ev.info.layers
+    assert all(len(tq[k]) == n for k in ("attn_rel_err", "logit_mse", "key_mean_share", "logit_snr"))
+    assert min(tq["attn_rel_err"]) > 0 and max(ident["attn_rel_err"]) < 1e-6
+    assert ident["key_mean_share"] == tq["key_mean_share"] and ident["logit_snr"] == tq["logit_snr"]
+    ids = token_chunks(ev.tok, part("heldout"), 128, 1)[0]
+    q, k, _ = (x.astype(np.float64) for x in capture(ev.model, ids)[0])
+    g = q.shape[0] // k.shape[0]
+    share, snr = zip(*(key_structure(q[h * g:(h + 1) * g, -8:].reshape(-1, k.shape[-1]), k[h])
+                       for h in range(k.shape[0])))
+    assert tq["key_mean_share"][0] == pytest.approx(np.mean(share), rel=1e-12)
+    assert tq["logit_snr"][0] == pytest.approx(np.mean(snr), rel=1e-12)

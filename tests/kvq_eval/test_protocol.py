@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from kvq_eval.accounting import method_rate, pair_weighted_bits, table_bits
 from kvq_eval.band import Band, band_mask, n_encoded, parse_band, token_group
-from kvq_eval.keyopts import CenteredKeys
+from kvq_eval.keyopts import CenteredKeys, key_structure
 from kvq_eval.niah import exact_match, make_sample
 from kvq_ref import KIVI, QJL, QuaRot, TurboQuantMSE, TurboQuantSplit
 
@@ -114,6 +114,82 @@ def test_centred_keys_softmax_invariance(inner):
     assert np.mean((k_hat - k) ** 2) < np.mean((plain - k) ** 2)
     with pytest.raises(ValueError, match="mu must be 64 finite numbers"):
         CenteredKeys(inner, (0.0,) * 63)
+
+
+# --- key structure (where a rotation hurts) ----------------------------------------------------------
+def _design_keys(mu, s):
+    """Keys mu +- s e_j (j < d): mean exactly mu, covariance exactly s^2 / d * I, mean ||k - mu||^2 = s^2."""
+    d = len(mu)
+    eye = s * np.eye(d)
+    return np.concatenate([mu + eye, mu - eye])
+
+
+@pytest.mark.parametrize("mu_norm", [0.0, 0.5, 3.0])
+def test_key_structure_closed_form(mu_norm):
+    """On the design keys: share = |mu|^2 / (|mu|^2 + s^2) and logit SNR = 1 - share for any query
+    (q^T Cov q = s^2 |q|^2 / d against |q|^2 (|mu|^2 + s^2) / d). Exact up to float64 rounding."""
+    rng = np.random.default_rng(1)
+    d, s = 16, 2.0
+    mu = rng.standard_normal(d)
+    mu *= mu_norm / max(np.linalg.norm(mu), 1e-300)
+    q = rng.standard_normal((7, d))
+    share, snr = key_structure(q, _design_keys(mu, s))
+    expect = mu_norm**2 / (mu_norm**2 + s**2)
+    assert share == pytest.approx(expect, rel=1e-12, abs=1e-15)
+    assert snr == pytest.approx(1.0 - expect, rel=1e-12)
+
+
+@given(st.integers(0, 2**31), st.floats(0.01, 100.0), st.floats(0.01, 100.0))
+def test_key_structure_invariances(seed, cq, ck):
+    """Both numbers are unchanged by one orthogonal map of queries and keys and by rescaling
+    either (the rotation a quantizer applies cannot change them); share in [0, 1], SNR >= 0."""
+    rng = np.random.default_rng(seed)
+    d = 8
+    q = rng.standard_normal((5, d))
+    k = rng.standard_normal(d) * 2 + rng.standard_normal((40, d)) * rng.uniform(0.1, 2, d)
+    rot, _ = np.linalg.qr(rng.standard_normal((d, d)))
+    share, snr = key_structure(q, k)
+    share2, snr2 = key_structure(cq * q @ rot, ck * k @ rot)
+    assert 0.0 <= share <= 1.0 and snr >= 0.0
+    assert share2 == pytest.approx(share, rel=1e-9) and snr2 == pytest.approx(snr, rel=1e-9)
+
+
+def test_key_structure_predicts_rotation_logit_noise():
+    """The Notes' premise: after TurboQuantMSE's random rotation the key error is isotropic, so the
+    logit noise variance is D |q|^2 |k|^2 / d (D the measured relative MSE), mean or not; and the
+    SNR is then logit_snr / D. Bound: 4 standard errors of the noise mean over independent keys."""
+    rng = np.random.default_rng(7)
+    d, n = 64, 4000
+    mu = 4.0 * rng.standard_normal(d) / np.sqrt(d)
+    k = mu + rng.standard_normal((n, d)) * np.linspace(0.3, 1.5, d) / np.sqrt(d)
+    q = rng.standard_normal((32, d))
+    m = TurboQuantMSE(d, 3, seed=5)
+    err = m.decode(m.encode(k)).astype(np.float64) - k
+    D = np.sum(err**2) / np.sum(k**2)
+    per_key = np.mean((q @ err.T) ** 2, axis=0)            # (n,): noise over queries, one per key
+    predicted = D * np.mean(np.sum(q**2, 1)) * np.mean(np.sum(k**2, 1)) / d
+    se = per_key.std(ddof=1) / np.sqrt(n)
+    assert abs(per_key.mean() - predicted) < 4 * se
+    share, snr = key_structure(q, k)
+    spread = np.mean(np.var(q @ k.T, axis=1))
+    assert spread / per_key.mean() == pytest.approx(snr / D, rel=4 * se / per_key.mean())
+
+
+def test_key_structure_edges_and_errors():
+    k = np.zeros((4, 3))
+    assert key_structure(np.ones((2, 3)), k) == (0.0, 0.0)           # no key energy: defined as 0, 0
+    k[:, 0] = [1.0, 2.0, 3.0, 4.0]
+    assert key_structure(np.zeros((2, 3)), k) == (6.25 / 7.5, 0.0)    # no query: no logit spread
+    q = np.array([[0.0, 1.0, 0.0]])
+    assert key_structure(q, k)[1] == 0.0                              # query orthogonal to key variation
+    with pytest.raises(ValueError, match="q must have shape"):
+        key_structure(np.ones(3), k)
+    with pytest.raises(ValueError, match=r"k must have shape \(T, 3\)"):
+        key_structure(q, np.ones((4, 2)))
+    with pytest.raises(ValueError, match="T >= 2"):
+        key_structure(q, np.ones((1, 3)))
+    with pytest.raises(ValueError, match="finite"):
+        key_structure(q, np.full((4, 3), np.nan))
 
 
 # --- needle samples --------------------------------------------------------------------------------

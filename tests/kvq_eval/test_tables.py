@@ -138,7 +138,14 @@ def test_position_and_layer_tables(folder, capsys):
     _write(folder / "smollm2", "layers/a.json", {"entry": "tq_mse4@none", "attn_rel_err": [0.1, 0.25],
                                                   "logit_mse": [1.0, 2.0], "bits_per_element": 4.25})
     assert main(["table", str(folder), "--layers"]) == 0
-    assert "| tq_mse4@none | 0.100 | 0.250 |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| tq_mse4@none | 0.100 | 0.250 |" in out and "exact keys" not in out
+    _write(folder / "smollm2", "layers/b.json", {"entry": "kivi4@none", "attn_rel_err": [0.05, 0.06],
+                                                  "logit_mse": [1.0, 2.0], "bits_per_element": 5.0,
+                                                  "key_mean_share": [0.2, 0.65], "logit_snr": [2.5, 0.058]})
+    assert main(["table", str(folder), "--layers"]) == 0
+    out = capsys.readouterr().out
+    assert "| exact keys: mean share | 0.200 | 0.650 |" in out and "| exact keys: logit SNR | 2.500 | 0.058 |" in out
 
 
 def test_interrupted_run_is_logged_with_what_it_wrote(tmp_path, monkeypatch, capsys):
