@@ -7,8 +7,8 @@ headers, the row of that entry in one of the tables ``kvq-eval table`` prints fr
 README table may show a subset of the columns (the 8K-only tables), never a number the JSON does
 not give. The paired tables are ``kvq-eval compare`` output the same way: a needle table (first
 column ``context``) under a line naming "`A` against `B`" must equal ``compare A B --variant single``
-row by row, and every row "A − B ..." of the 8K perplexity table (first column ``A − B at 8K``) the
-8K row of ``compare A B`` (Δ NLL with its interval, ratio, p, per-window differences; the README
+row by row, and every row "A − B ..." of the 8K perplexity tables (first column ``A − B at 8K``,
+and ``A − B at 8K (Gemma-3)`` for Gemma) the 8K row of ``compare A B`` (Δ NLL with its interval, ratio, p, per-window differences; the README
 writes "−" and "1.2 %" where the CLI prints "-" and "1.2%").
 """
 
@@ -157,9 +157,14 @@ def _norm(v: str) -> str:
     return v.replace("−", "-").replace(" %", "%")
 
 
-def _ppl8k_rows():
-    table = next((t for t in _tables(_section()) if t[0][0] == "A − B at 8K"), None)
-    assert table is not None, "the README's paired 8K perplexity table is gone"
+PAIRED_8K = {"A − B at 8K": "smollm2", "A − B at 8K (Gemma-3)": "gemma3"}
+
+
+def _ppl8k_rows(model: str = "smollm2"):
+    """(A, B, the row's cells) of the README's paired 8K table of ``model``."""
+    label = next(k for k, v in PAIRED_8K.items() if v == model)
+    table = next((t for t in _tables(_section()) if t[0][0] == label), None)
+    assert table is not None, f"the README's paired 8K perplexity table ({label}) is gone"
     assert table[0][1:] == ["Δ NLL [95% CI]", "ppl ratio", "p", "per window"]
     out = []
     for row in table[1:]:
@@ -175,11 +180,13 @@ def _ppl8k_generated(res, a, b) -> list[str]:
     return [row[3], row[4], row[5], row[6]]
 
 
-def test_readme_8k_paired_rows_are_kvq_eval_compare(smollm2):
-    rows = _ppl8k_rows()
+@pytest.mark.parametrize("model", sorted(PAIRED_8K.values()))
+def test_readme_8k_paired_rows_are_kvq_eval_compare(results, model):
+    rows = _ppl8k_rows(model)
     assert len(rows) >= 5
-    bad = [f"{a} − {b}: {v} != {g}" for a, b, v in rows if v != (g := _ppl8k_generated(smollm2, a, b))]
-    assert not bad, "README 8K paired rows that `kvq-eval compare` does not give:\n" + "\n".join(bad)
+    res = results[model]
+    bad = [f"{a} − {b}: {v} != {g}" for a, b, v in rows if v != (g := _ppl8k_generated(res, a, b))]
+    assert not bad, f"README 8K paired rows ({model}) that `kvq-eval compare` does not give:\n" + "\n".join(bad)
 
 
 def test_a_changed_paired_number_is_caught(smollm2):
