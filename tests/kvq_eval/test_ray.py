@@ -20,11 +20,19 @@ def _strip(obj):
 
 @pytest.mark.model
 def test_ray_grid_matches_serial(tmp_path):
+    import torch
+
     from kvq_eval.runner import run_grid
 
     kw = dict(contexts=(384,), tasks=("ppl", "niah"), variants=("single",), depths=(0.5,), samples=2,
               bands=("none", "16,32"), ppl_windows=((64, 1),), progress=False)
-    serial = run_grid("smollm2", ["tq_mse2"], tmp_path / "serial", **kw)
+    # float32 reductions depend on torch's thread count: run serially on one thread, as the workers do
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        serial = run_grid("smollm2", ["tq_mse2"], tmp_path / "serial", **kw)
+    finally:
+        torch.set_num_threads(threads)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     try:
