@@ -14,7 +14,8 @@ calibration mean of the (layer, head) keys (``CalibrationStats``), so these meth
 and their mean (``d`` float32) is counted in their stored bits (``kvq_eval.accounting``).
 
 Registered names (``study_methods``): ``<base>-mc`` for base in tq_mse2/3/4, tq_split2.5/3.5,
-quarot2/4; ``tq_k4v2``, ``tq_k5v3``, ``tq_k8v4`` (TurboQuantMSE with more bits on keys than values).
+quarot2/4; ``tq_k4v2``, ``tq_k5v3``, ``tq_k8v4`` (TurboQuantMSE with more bits on keys than values)
+and their ``-mc`` forms (both options at once).
 
 Where a rotation hurts
 ----------------------
@@ -130,6 +131,7 @@ def study_methods(methods: dict, seed) -> dict:
             out[f"{base}-mc"] = entry
     for name, (kb, vb) in KV_SPLITS.items():
         out[name] = dict(make=kv_split(kb, vb, seed), nominal_bits=(kb + vb) / 2)
+        out[f"{name}-mc"] = dict(make=centered(out[name]["make"]), nominal_bits=(kb + vb) / 2, calibrated=True)
     return out
 
 

@@ -288,7 +288,14 @@ def test_study_methods_in_the_registry():
     for name, (kb, vb) in {"tq_k4v2": (4, 2), "tq_k5v3": (5, 3), "tq_k8v4": (8, 4)}.items():
         s = make_spec(name)
         assert (s.key(0, 0, 64).bits, s.value(0, 0, 64).bits) == (kb, vb)
-        assert METHODS[name]["nominal_bits"] == (kb + vb) / 2
+        assert METHODS[name]["nominal_bits"] == METHODS[f"{name}-mc"]["nominal_bits"] == (kb + vb) / 2
+        # both options at once: the split's key quantizer on centred keys, its values untouched
+        c = make_spec(f"{name}-mc", tables=tables)
+        key = c.key(1, 0, 64)
+        assert isinstance(key, CenteredKeys) and key.inner == s.key(1, 0, 64)
+        assert np.array_equal(np.asarray(key.mu), mean + 1) and c.value(1, 0, 64) == s.value(1, 0, 64)
+        with pytest.raises(ValueError, match="needs calibration tables"):
+            make_spec(f"{name}-mc")
     assert {f"{b}-mc" for b in ("tq_mse2", "tq_mse3", "tq_mse4", "tq_split2.5", "tq_split3.5", "quarot2",
                                 "quarot4")} <= set(METHODS)
 
