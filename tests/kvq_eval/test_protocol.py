@@ -1,4 +1,5 @@
-"""Protocol pieces without a model: the band rule, stored-bits accounting, needle sampling, mean-centred keys."""
+"""Protocol pieces without a model: the band rule, stored-bits accounting, needle sampling, mean-centred keys,
+the keys' structure."""
 
 from __future__ import annotations
 
