@@ -384,30 +384,32 @@ def test_layers_task_records_errors_and_key_structure(lm):
     """The layers task: one attention error and one logit MSE per layer (0 for the identity method,
     > 0 for TurboQuantMSE-3), and the exact keys' structure, equal to ``key_structure`` on the
     captured Q/K of the same window (the same for every method, bit for bit)."""
+    import torch
+
     from kvq_eval.band import parse_band
     from kvq_eval.calib import capture, token_chunks
     from kvq_eval.keyopts import key_structure
     from kvq_eval.runner import Evaluator
     from kvq_eval.text import part
 
-    import torch
-
+    # every forward pass here on one thread (below Numba's default, the case that used to drift):
+    # float32 reductions depend on the thread count, and the checks below are bit-level
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # below Numba's default (every core), the case that used to drift
+    torch.set_num_threads(1)
     try:
         ev = Evaluator("smollm2", calibrate=False)
         tq = ev.layers("tq_mse3", parse_band("none"), tokens=128, queries=8)
         # kvq_ref's Numba kernels left torch's thread count alone, so the next capture is bit-equal
         assert torch.get_num_threads() == 1
         ident = ev.layers("identity", parse_band("none"), tokens=128, queries=8)
+        ids = token_chunks(ev.tok, part("heldout"), 128, 1)[0]
+        q, k, _ = (x.astype(np.float64) for x in capture(ev.model, ids)[0])
     finally:
         torch.set_num_threads(threads)
     n = ev.info.layers
     assert all(len(tq[k]) == n for k in ("attn_rel_err", "logit_mse", "key_mean_share", "logit_snr"))
     assert min(tq["attn_rel_err"]) > 0 and max(ident["attn_rel_err"]) < 1e-6
     assert ident["key_mean_share"] == tq["key_mean_share"] and ident["logit_snr"] == tq["logit_snr"]
-    ids = token_chunks(ev.tok, part("heldout"), 128, 1)[0]
-    q, k, _ = (x.astype(np.float64) for x in capture(ev.model, ids)[0])
     g = q.shape[0] // k.shape[0]
     share, snr = zip(*(key_structure(q[h * g:(h + 1) * g, -8:].reshape(-1, k.shape[-1]), k[h])
                        for h in range(k.shape[0])))

@@ -8,8 +8,9 @@ README table may show a subset of the columns (the 8K-only tables), never a numb
 not give. The paired tables are ``kvq-eval compare`` output the same way: a needle table (first
 column ``context``) under a line naming "`A` against `B`" must equal ``compare A B --variant single``
 row by row, and every row "A − B ..." of the 8K perplexity tables (first column ``A − B at 8K``,
-and ``A − B at 8K (Gemma-3)`` for Gemma) the 8K row of ``compare A B`` (Δ NLL with its interval, ratio, p, per-window differences; the README
-writes "−" and "1.2 %" where the CLI prints "-" and "1.2%").
+and ``A − B at 8K (Gemma-3)`` for Gemma) the 8K row of ``compare A B`` (Δ NLL with its interval,
+ratio, p, per-window differences; the README writes "−" and "1.2 %" where the CLI prints "-" and
+"1.2%").
 """
 
 from __future__ import annotations
