@@ -40,7 +40,7 @@ def _methods(text: str) -> list[str]:
 def _entries(text: str | None):
     if text is None:
         return None
-    from .runner import parse_entry
+    from .grid import parse_entry
 
     names = [e.strip() for e in text.split(";") if e.strip()]
     for e in names:

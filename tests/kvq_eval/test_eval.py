@@ -54,7 +54,7 @@ def test_method_registry():
 
 def test_half_methods_quantize_one_side_only():
     from kvq_eval.methods import method_info
-    from kvq_eval.runner import _file_name
+    from kvq_eval.grid import _file_name
 
     keys, values = make_spec("tq_mse3:keys"), make_spec("tq_mse3:values")
     full = make_spec("tq_mse3")

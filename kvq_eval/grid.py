@@ -1,0 +1,170 @@
+"""The grid: entry names, the cells a run plans (one result file each) and what is stored of them.
+
+An entry is ``fp32`` or ``<method>@<band>[+qprefill]`` (``entry_id``/``parse_entry``); a unit is one
+result file (a perplexity, layers or decode cell of one entry, or a needle sample holding every
+entry). ``_missing`` says which entries a unit still needs, so a run computes only those; files are
+written whole (``_write``: a temporary file, then a rename), so an interrupted run never leaves a
+partial cell behind.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .band import Band, parse_band
+from .methods import method_info
+from .niah import VARIANTS
+
+__all__ = ["entry_id", "parse_entry", "plan", "PREFILL_MODES", "TASKS"]
+
+PREFILL_MODES = ("exact", "quantized")
+TASKS = ("ppl", "niah", "decode", "layers")
+
+def entry_id(method: str, band: Band | None, prefill: str = "exact") -> str:
+    """``fp32``, or ``<method>@<band>`` (``none``, ``S,W`` or ``own``), ``+qprefill`` when the
+    prefill was quantized: the name of a needle/decode entry in tables and ``kvq-eval compare``."""
+    if method == "fp32":
+        return "fp32"
+    out = f"{method}@{'own' if band is None else band.label}"
+    return out + ("+qprefill" if prefill == "quantized" else "")
+
+
+def parse_entry(name: str) -> tuple[str, Band | None, str]:
+    """Inverse of ``entry_id``."""
+    if name == "fp32":
+        return "fp32", Band(), "exact"
+    prefill = "quantized" if name.endswith("+qprefill") else "exact"
+    base = name[: -len("+qprefill")] if prefill == "quantized" else name
+    method, sep, band = base.partition("@")
+    if not sep:
+        raise ValueError(f"entry {name!r} is not fp32 or <method>@<band>[+qprefill]")
+    method_info(method)
+    return method, parse_band(band), prefill
+
+
+def _write(path: Path, obj: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1, sort_keys=True) + "\n")
+    tmp.replace(path)
+
+
+def _check_calib_tokens(calib_tokens) -> None:
+    if isinstance(calib_tokens, bool) or not isinstance(calib_tokens, int) or not 256 <= calib_tokens <= 8192:
+        raise ValueError(f"calib_tokens must be an integer in 256..8192 (two calibration sequences), "
+                         f"got {calib_tokens!r}")
+
+
+def _calibrated(method: str) -> bool:
+    return method != "fp32" and bool(method_info(method).get("calibrated"))
+
+
+def _file_name(method: str) -> str:
+    """``nova``; ``nova_keys`` for ``nova:keys`` (no colon in file names)."""
+    return method.replace(":", "_")
+
+
+def _entry_file(name: str) -> str:
+    return name.replace(":", "_").replace("@", "__").replace(",", "-").replace("+", "_")
+
+
+def _entry_stale(name: str, entry: dict, calib_tokens: int) -> bool:
+    method = parse_entry(name)[0]
+    return _calibrated(method) and entry.get("calib_tokens") != calib_tokens
+
+
+def _read(path: Path) -> dict | None:
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not a readable result file ({exc}); delete it to recompute the cell") from None
+
+
+def _missing(unit: dict, calib_tokens: int) -> list[str]:
+    """Entries a unit still needs (all of them when its file is absent)."""
+    stored = _read(unit["path"])
+    if unit["task"] != "niah":
+        if stored is None:
+            return [unit["entry"]]
+        return [unit["entry"]] if _entry_stale(unit["entry"], stored, calib_tokens) else []
+    if stored is None:
+        return list(unit["entries"])
+    have = stored["results"]
+    return [e for e in unit["entries"] if e not in have or _entry_stale(e, have[e], calib_tokens)]
+
+
+def _merge_niah(path: Path, new: dict) -> dict:
+    """``new`` (a needle cell for some entries) merged into the cell stored at ``path``, if any. The
+    stored sample must be the one just made, never a silent mix of two samples."""
+    old = _read(path)
+    if old is None:
+        return new
+    fields = ("keys", "values", "prompt_tokens", "offset")
+    if tuple(old.get(f) for f in fields) != tuple(new.get(f) for f in fields):
+        raise ValueError(f"{path}: the stored needle sample differs from the one the generator now makes "
+                         f"(keys {old.get('keys')!r} vs {new['keys']!r}); write to a fresh --out folder")
+    old["results"].update(new["results"])
+    return old
+
+
+def plan(model: str, methods, out, contexts=(1024,), tasks=("ppl", "niah"), variants=VARIANTS,
+         depths=(0.25, 0.5, 0.75), samples: int = 10, bands=("none",), prefill=("exact",),
+         ppl_windows=((1024, 8),), decode=(1024, 512, 1), layers_tokens: int = 1024) -> list[dict]:
+    """The grid's units (one per result file), before looking at what is stored."""
+    methods = [m for m in dict.fromkeys(["fp32", *methods])]
+    for m in methods:
+        if m != "fp32":
+            method_info(m)  # ValueError naming the known methods
+    unknown = set(tasks) - set(TASKS)
+    if unknown:
+        raise ValueError(f"unknown task(s) {sorted(unknown)}; known: {', '.join(TASKS)}")
+    bad = set(prefill) - set(PREFILL_MODES)
+    if bad:
+        raise ValueError(f"prefill must be among {PREFILL_MODES}, got {sorted(bad)}")
+    bad = set(variants) - set(VARIANTS)
+    if bad:
+        raise ValueError(f"variants must be among {VARIANTS}, got {sorted(bad)}")
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+        raise ValueError(f"samples must be a positive integer, got {samples!r}")
+    parsed = [parse_band(b) if isinstance(b, str) else b for b in bands]
+    if not parsed:
+        raise ValueError("bands must name at least one band")
+    quant = [m for m in methods if m != "fp32"]
+    root = Path(out) / model
+    units = []
+    entries = ["fp32"] + [entry_id(m, b, p) for m in quant for b in parsed for p in prefill]
+    if "ppl" in tasks:
+        for tokens, count in ppl_windows:
+            for m in quant:
+                for b in parsed:
+                    e = entry_id(m, b)
+                    units.append({"task": "ppl", "entry": e, "tokens": tokens, "windows": count,
+                                  "path": root / "ppl" / f"{_entry_file(e)}__T{tokens}x{count}.json"})
+    if "layers" in tasks:
+        for m in quant:
+            for b in parsed:
+                e = entry_id(m, b)
+                units.append({"task": "layers", "entry": e, "tokens": layers_tokens,
+                              "path": root / "layers" / f"{_entry_file(e)}__T{layers_tokens}.json"})
+    if "decode" in tasks:
+        prefix, new, count = decode
+        for e in entries:
+            units.append({"task": "decode", "entry": e, "prefix": prefix, "new_tokens": new, "windows": count,
+                          "path": root / "decode" / f"{_entry_file(e)}__P{prefix}_N{new}x{count}.json"})
+    if "niah" in tasks:
+        for c in contexts:
+            for v in variants:
+                for d in depths:
+                    for s in range(samples):
+                        units.append({"task": "niah", "entries": entries, "cell": (v, c, float(d), s),
+                                      "path": root / "niah" / f"{v}_ctx{c}_d{float(d):g}_s{s}.json"})
+    return units
+
+
+def _partial_path(unit: dict) -> Path:
+    """Where a perplexity cell keeps its finished windows until the cell is complete (not ``*.json``:
+    tables never read it)."""
+    return unit["path"].with_name(unit["path"].name + ".partial")
