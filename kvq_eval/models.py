@@ -71,7 +71,8 @@ def locate_gguf(name: str) -> Path:
 
 
 def load_model(name: str = "smollm2"):
-    """(model, tokenizer, info) in float32 on CPU, evaluation mode.
+    """(model, tokenizer, info) in float32 on CPU, evaluation mode; torch's thread count is shared
+    with Numba first (``share_threads``), so that kvq_ref kernels run later cannot move it.
 
     Parameters
     ----------
@@ -82,6 +83,7 @@ def load_model(name: str = "smollm2"):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    share_threads(torch)  # before any kvq_ref kernel of this process can move torch's count
     info = MODELS[name]
     fp32 = cache_dir() / f"{name}-fp32"
     if (fp32 / "config.json").is_file():

@@ -46,12 +46,12 @@ from kvq_ref.attention import QuantizedKV, attention_prefill, exact_attention, l
 from .accounting import cache_bits, pair_weighted_bits, spec_rates
 from .band import Band
 from .calib import capture, calibration_tables, token_chunks
-from .hooks import SIMULATION, QuantizedCache, cache_kwargs, register, session
-from .keyopts import key_structure
 from .grid import (PREFILL_MODES, _calibrated, _check_calib_tokens, _merge_niah, _missing, _partial_path,
                    _write, entry_id, parse_entry, plan)
+from .hooks import SIMULATION, QuantizedCache, cache_kwargs, register, session
+from .keyopts import key_structure
 from .methods import make_spec, method_info
-from .models import cache_dir, load_model, share_threads
+from .models import cache_dir, load_model
 from .niah import VARIANTS, exact_match, make_sample
 from .text import part
 
@@ -108,7 +108,6 @@ class Evaluator:
 
         _check_calib_tokens(calib_tokens)
         torch.set_grad_enabled(False)
-        share_threads(torch)
         self.name = model_name
         self.calib_tokens = calib_tokens
         self.model, self.tok, self.info = load_model(model_name)

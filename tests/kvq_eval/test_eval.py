@@ -91,7 +91,8 @@ def test_calibration_length_is_validated_before_any_model_load(tmp_path, bad):
 
 def test_numba_does_not_move_torch_threads():
     """In a fresh process with torch on one thread, kvq_ref's first Numba call (which starts Numba's
-    OpenMP layer) must leave torch on one thread once the evaluator has shared its count. Without
+    OpenMP layer) must leave torch on one thread once ``load_model`` has shared its count (so
+    every caller that loads a model is covered: the Evaluator, the CLI, the notebooks). Without
     ``share_threads`` torch moves to Numba's default, every core (so this can only fail on a
     machine with 2 or more cores)."""
     import subprocess
@@ -99,14 +100,14 @@ def test_numba_does_not_move_torch_threads():
 
     code = ("import numpy as np, torch\n"
             "torch.set_num_threads(1)\n"
-            "from kvq_eval.models import share_threads\n"
-            "share_threads(torch)\n"
+            "from kvq_eval.models import load_model\n"
+            "load_model('smollm2')\n"
             "from kvq_ref import TurboQuantMSE\n"
             "m = TurboQuantMSE(64, 3)\n"
             "for n in (10, 1000):\n"
             "    m.decode(m.encode(np.random.default_rng(0).standard_normal((n, 64))))\n"
             "print(torch.get_num_threads())\n")
-    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split()[-1] == "1"
 
