@@ -1,0 +1,109 @@
+"""The grid's bookkeeping (``kvq_eval.grid``), without a model: entry names, the units a run plans,
+which entries a stored cell still needs, and how needle cells merge."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvq_eval.band import Band
+from kvq_eval.grid import (PREFILL_MODES, _merge_niah, _missing, _read, _write, entry_id, parse_entry,
+                           plan)
+from kvq_eval.methods import METHODS
+
+bands = st.one_of(st.none(), st.builds(Band, st.integers(0, 4096), st.integers(0, 4096)))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(sorted(METHODS)), bands, st.sampled_from(PREFILL_MODES))
+def test_entry_names_round_trip(method, band, prefill):
+    name = entry_id(method, band, prefill)
+    assert parse_entry(name) == (method, band, prefill)
+    assert name.endswith("+qprefill") == (prefill == "quantized")
+
+
+def test_entry_names_refuse_what_they_do_not_name():
+    assert entry_id("fp32", Band(64, 256), "quantized") == "fp32"
+    assert parse_entry("fp32") == ("fp32", Band(), "exact")
+    with pytest.raises(ValueError, match="is not fp32 or <method>@<band>"):
+        parse_entry("tq_mse3")
+    with pytest.raises(ValueError, match="tq_mse9"):
+        parse_entry("tq_mse9@none")
+    with pytest.raises(ValueError, match="band must be"):
+        parse_entry("tq_mse3@64")
+
+
+def test_plan_units_and_paths(tmp_path):
+    units = plan("smollm2", ["tq_mse3", "kivi2"], tmp_path, contexts=(1024, 4096), tasks=("ppl", "niah", "layers"),
+                 variants=("single",), depths=(0.1, 0.5), samples=3, bands=("none", "64,256"),
+                 ppl_windows=((1024, 8), (8192, 4)))
+    ppl = [u for u in units if u["task"] == "ppl"]
+    niah = [u for u in units if u["task"] == "niah"]
+    layers = [u for u in units if u["task"] == "layers"]
+    assert len(ppl) == 2 * 2 * 2 and len(layers) == 2 * 2 and len(niah) == 2 * 2 * 3
+    assert {u["path"].name for u in ppl} >= {"tq_mse3__none__T1024x8.json", "kivi2__64-256__T8192x4.json"}
+    # every needle unit holds fp32 and every (method, band) entry; one file per sample
+    assert all(u["entries"] == ["fp32", "tq_mse3@none", "tq_mse3@64,256", "kivi2@none", "kivi2@64,256"]
+               for u in niah)
+    assert len({u["path"] for u in niah}) == len(niah)
+    assert (tmp_path / "smollm2" / "niah" / "single_ctx4096_d0.5_s2.json") in {u["path"] for u in niah}
+    assert len({u["path"] for u in units}) == len(units)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(methods=["tq_mse7"]), "tq_mse7"),
+    (dict(tasks=("ppl", "speed")), r"unknown task\(s\) \['speed'\]"),
+    (dict(prefill=("exact", "lazy")), "prefill must be among"),
+    (dict(variants=("multikey",)), "variants must be among"),
+    (dict(samples=0), "samples must be a positive integer"),
+    (dict(samples=True), "samples must be a positive integer"),
+    (dict(bands=()), "bands must name at least one band"),
+    (dict(bands=("64",)), "band must be"),
+])
+def test_plan_refuses_bad_settings(tmp_path, kw, match):
+    args = dict(methods=["tq_mse3"]) | kw
+    with pytest.raises(ValueError, match=match):
+        plan("smollm2", args.pop("methods"), tmp_path, **args)
+
+
+def _cell(keys="jolly-river", results=None):
+    return {"keys": [keys], "values": ["5343902"], "prompt_tokens": 1000, "offset": 12,
+            "results": results or {}}
+
+
+def test_missing_entries_of_stored_cells(tmp_path):
+    (unit,) = plan("smollm2", ["tq_mse3", "nova"], tmp_path, tasks=("niah",), variants=("single",),
+                   depths=(0.5,), samples=1)
+    assert _missing(unit, 8192) == ["fp32", "tq_mse3@none", "nova@none"]  # no file yet
+    _write(unit["path"], _cell(results={"fp32": {}, "tq_mse3@none": {}, "nova@none": {"calib_tokens": 1024}}))
+    # a calibrated entry made with another calibration length is computed again, nothing else
+    assert _missing(unit, 8192) == ["nova@none"]
+    assert _missing(unit, 1024) == []
+    ppl = plan("smollm2", ["nova"], tmp_path, tasks=("ppl",))[0]
+    assert _missing(ppl, 8192) == ["nova@none"]
+    _write(ppl["path"], {"entry": "nova@none", "calib_tokens": 8192})
+    assert _missing(ppl, 8192) == [] and _missing(ppl, 2048) == ["nova@none"]
+
+
+def test_needle_cells_merge_only_the_same_sample(tmp_path):
+    path = tmp_path / "cell.json"
+    assert _merge_niah(path, _cell(results={"fp32": {"exact": 1}})) == _cell(results={"fp32": {"exact": 1}})
+    _write(path, _cell(results={"fp32": {"exact": 1}}))
+    merged = _merge_niah(path, _cell(results={"tq_mse3@none": {"exact": 0}}))
+    assert merged["results"] == {"fp32": {"exact": 1}, "tq_mse3@none": {"exact": 0}}
+    with pytest.raises(ValueError, match="stored needle sample differs"):
+        _merge_niah(path, _cell(keys="daring-island", results={"tq_mse3@none": {"exact": 0}}))
+    assert json.loads(path.read_text()) == _cell(results={"fp32": {"exact": 1}})  # left as it was
+
+
+def test_files_are_written_whole_and_read_with_a_clear_error(tmp_path):
+    path = tmp_path / "a" / "b.json"
+    _write(path, {"x": 1})
+    assert _read(path) == {"x": 1} and [p.name for p in path.parent.iterdir()] == ["b.json"]
+    assert _read(tmp_path / "absent.json") is None
+    path.write_text('{"x": ')
+    with pytest.raises(ValueError, match=r"b\.json: not a readable result file"):
+        _read(path)
