@@ -21,6 +21,7 @@ __all__ = ["entry_id", "parse_entry", "plan", "PREFILL_MODES", "TASKS"]
 PREFILL_MODES = ("exact", "quantized")
 TASKS = ("ppl", "niah", "decode", "layers")
 
+
 def entry_id(method: str, band: Band | None, prefill: str = "exact") -> str:
     """``fp32``, or ``<method>@<band>`` (``none``, ``S,W`` or ``own``), ``+qprefill`` when the
     prefill was quantized: the name of a needle/decode entry in tables and ``kvq-eval compare``."""

@@ -60,7 +60,6 @@ __all__ = ["Evaluator", "run_grid", "entry_id", "parse_entry", "POSITION_BINS", 
 POSITION_BINS = 16
 
 
-
 def _window_stats(ref, out, target, chunk: int = 512, head=None) -> dict:
     """Summed NLL of the quantized and the fp32 logits, KL(fp32 || quant), top-1 agreement and the
     NLL/KL change per position bin, for logits (T, vocab) predicting ``target`` (T,).
@@ -330,7 +329,8 @@ class Evaluator:
         return out
 
 
-# --- the grid -------------------------------------------------------------------------------------
+# --- the run loop (the grid itself: kvq_eval.grid) ------------------------------------------------
+
 
 def _partial_key(ev: Evaluator, unit: dict) -> dict:
     method = parse_entry(unit["entry"])[0]
