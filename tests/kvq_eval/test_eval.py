@@ -89,6 +89,7 @@ def test_calibration_length_is_validated_before_any_model_load(tmp_path, bad):
 # with SmolLM2 (a few hundred tokens)
 
 
+@pytest.mark.model
 def test_numba_does_not_move_torch_threads():
     """In a fresh process with torch on one thread, kvq_ref's first Numba call (which starts Numba's
     OpenMP layer) must leave torch on one thread once ``load_model`` has shared its count (so
