@@ -207,6 +207,26 @@ def test_quantized_cache_generate_and_band(lm):
     assert cache.bits_per_element() == pytest.approx((64 * kivi_bits + 141 * 16) / 205, rel=1e-12)
 
 
+@pytest.mark.parametrize("chunks", [[5], [0, 3], [64, 1, 1, 70], [1] * 130])
+def test_decoded_rows_buffer_appends_like_concatenate(chunks):
+    """The store's decoded-row buffer holds what concatenating the float32 chunks gives (in
+    float64, exactly), through capacity growth, and a deep copy is independent of the original."""
+    import copy
+
+    from kvq_eval.hooks import _Rows
+
+    rng = np.random.default_rng(len(chunks))
+    parts = [rng.standard_normal((n, 8)).astype(np.float32) for n in chunks]
+    buf = _Rows(8)
+    for i, part in enumerate(parts):
+        buf.append(part)
+        want = np.concatenate([np.empty((0, 8), np.float32)] + parts[: i + 1])
+        assert buf.rows.dtype == np.float64 and np.array_equal(buf.rows, want)
+    twin = copy.deepcopy(buf)
+    twin.append(np.ones((3, 8), np.float32))
+    assert np.array_equal(buf.rows, want) and twin.rows.shape[0] == want.shape[0] + 3
+
+
 def _evaluator(model, tok):
     from kvq_eval.models import MODELS
     from kvq_eval.runner import Evaluator
@@ -231,6 +251,8 @@ def test_cache_decode_equals_streaming_simulation(lm, name, sink, window):
     bound 3e-3. A band one token wider changes them by more than 1e-2 (checked, so the
     comparison can fail).
     """
+    import copy
+
     import torch
 
     from kvq_eval.band import Band
@@ -240,9 +262,19 @@ def test_cache_decode_equals_streaming_simulation(lm, name, sink, window):
     ev = _evaluator(model, tok)
     x = ids[:, :120]
 
-    def streamed(spec):
+    def streamed(spec, fork=False):
         cache, last = ev._prefill(x[:, :80], spec)
         qc = QuantizedCache.from_cache(cache, spec)
+        if fork:  # decode over a fork, after a forward over the original (the needle's two passes)
+            before = copy.deepcopy(qc.stores, {id(spec): spec})
+            forked = qc.fork()
+            with session("cache", spec, qc):
+                model(x[:, 80:90], **cache_kwargs(model, qc), use_cache=True)
+            assert forked.stores[0].n == 80 and qc.stores[0].n == 90
+            for a, b in zip(before.values(), forked.stores.values()):
+                assert all(np.array_equal(u.rows, w.rows) for u, w in zip(a.dec_v, b.dec_v))
+                assert all(u == w for u, w in zip(a.enc_k, b.enc_k))
+            qc = forked
         outs = [last]
         with session("cache", spec, qc):
             for t in range(80, 119):
@@ -253,7 +285,10 @@ def test_cache_decode_equals_streaming_simulation(lm, name, sink, window):
     with session("simulate", spec):
         sim = model(x).logits[0, 79:119]
     scale = sim.abs().max().item()
-    assert (streamed(spec) - sim).abs().max().item() <= 3e-3 * scale
+    direct = streamed(spec)
+    assert (direct - sim).abs().max().item() <= 3e-3 * scale
+    # a fork decodes exactly as the cache it was copied from would have
+    assert torch.equal(streamed(spec, fork=True), direct)
     wider = ev.spec(name, Band(sink, window + 8))
     assert (streamed(wider) - sim).abs().max().item() > 1e-2 * scale
 
