@@ -308,6 +308,38 @@ def _make_cache_base():
     return DynamicCache
 
 
+def _make_growing_layer():
+    from transformers.cache_utils import DynamicLayer
+
+    class GrowingLayer(DynamicLayer):
+        """A ``DynamicLayer`` whose keys/values are prefix views of buffers whose capacity
+        doubles: a decode step writes its token instead of concatenating the whole layer (two
+        copies of every cached state per layer and step, about a third of a SmolLM2 step at 8K
+        here). Same states, same lengths; the first write fills its buffer exactly, so an exact
+        prefill's attention sees contiguous tensors."""
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            n = self.keys.shape[-2] if self.keys.dim() == key_states.dim() else 0
+            end = n + key_states.shape[-2]
+            buf = getattr(self, "_buf", None)
+            if buf is None or end > buf[0].shape[-2] or buf[0].data_ptr() != self.keys.data_ptr():
+                cap = max(end, 2 * n)  # a foreign keys tensor (crop, reorder) is copied in first
+                buf = tuple(x.new_empty(x.shape[:-2] + (cap, x.shape[-1])) for x in (key_states, value_states))
+                if n:
+                    buf[0][..., :n, :], buf[1][..., :n, :] = self.keys, self.values
+                self._buf = buf
+            buf[0][..., n:end, :], buf[1][..., n:end, :] = key_states, value_states
+            self.keys, self.values = buf[0][..., :end, :], buf[1][..., :end, :]
+            return self.keys, self.values
+
+    return GrowingLayer
+
+
+_GrowingLayer = _make_growing_layer()
+
+
 class _Rows:
     """A growable float64 (n, d) row buffer: ``append`` copies only the new rows (capacity
     doubles), ``rows`` is a view.
@@ -415,6 +447,8 @@ class QuantizedCache(_make_cache_base()):
 
     def __init__(self, spec: MethodSpec, exact_prefill: bool = True, **kwargs):
         super().__init__(**kwargs)
+        if getattr(self, "layer_class_to_replicate", None) is _GrowingLayer.__mro__[1]:
+            self.layer_class_to_replicate = _GrowingLayer  # plain DynamicLayers only (not sliding)
         self.spec = spec
         self.exact_prefill = exact_prefill
         self.stores: dict[int, _Store] = {}

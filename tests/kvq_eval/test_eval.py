@@ -227,6 +227,36 @@ def test_decoded_rows_buffer_appends_like_concatenate(chunks):
     assert np.array_equal(buf.rows, want) and twin.rows.shape[0] == want.shape[0] + 3
 
 
+def test_growing_cache_layer_holds_what_dynamic_layer_holds():
+    """The quantized cache's growing layer returns the states a stock ``DynamicLayer`` returns
+    after every write (prefill, single tokens, chunks; through capacity growth, a crop and a deep
+    copy), and its first write is contiguous (the exact prefill's sdpa reads it)."""
+    import copy
+
+    import torch
+    from transformers.cache_utils import DynamicLayer
+
+    from kvq_eval.hooks import QuantizedCache, _GrowingLayer
+
+    assert QuantizedCache(make_spec("identity")).layer_class_to_replicate is _GrowingLayer
+    g = torch.Generator().manual_seed(0)
+    grow, stock = _GrowingLayer(), DynamicLayer()
+    for i, t in enumerate([7, 1, 1, 5, 1, 9, 1]):
+        k, v = torch.randn(1, 3, t, 8, generator=g), torch.randn(1, 3, t, 6, generator=g)
+        got, want = grow.update(k, v), stock.update(k, v)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        assert grow.get_seq_length() == stock.get_seq_length()
+        if i == 0:
+            assert got[0].is_contiguous() and got[1].is_contiguous()
+        if i == 3:
+            grow.crop(-2), stock.crop(-2)
+        if i == 4:  # a copy (QuantizedCache.fork) grows on its own storage
+            twin = copy.deepcopy(grow)
+            assert torch.equal(twin.update(torch.ones(1, 3, 1, 8), torch.ones(1, 3, 1, 6))[0][..., :-1, :], stock.keys)
+            assert torch.equal(grow.keys, stock.keys)
+            assert twin._buf[0].data_ptr() != grow._buf[0].data_ptr()
+
+
 def _evaluator(model, tok):
     from kvq_eval.models import MODELS
     from kvq_eval.runner import Evaluator
