@@ -315,8 +315,8 @@ def _make_growing_layer():
         """A ``DynamicLayer`` whose keys/values are prefix views of buffers whose capacity
         doubles: a decode step writes its token instead of concatenating the whole layer (two
         copies of every cached state per layer and step: about half of a SmolLM2 decode step at
-        8K in a profile here). Same states, same lengths; the first write fills its buffer exactly, so an exact
-        prefill's attention sees contiguous tensors."""
+        8K in a profile here). Same states, same lengths; the first write fills its buffer
+        exactly, so an exact prefill's attention sees contiguous tensors."""
 
         def update(self, key_states, value_states, *args, **kwargs):
             if not self.is_initialized:
@@ -447,8 +447,10 @@ class QuantizedCache(_make_cache_base()):
     """
 
     def __init__(self, spec: MethodSpec, exact_prefill: bool = True, **kwargs):
+        from transformers.cache_utils import DynamicLayer
+
         super().__init__(**kwargs)
-        if getattr(self, "layer_class_to_replicate", None) is _GrowingLayer.__mro__[1]:
+        if getattr(self, "layer_class_to_replicate", None) is DynamicLayer:
             self.layer_class_to_replicate = _GrowingLayer  # plain DynamicLayers only (not sliding)
         self.spec = spec
         self.exact_prefill = exact_prefill
