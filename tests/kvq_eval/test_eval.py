@@ -6,6 +6,7 @@ Tests marked ``model`` load SmolLM2-135M from its wheel (a few hundred tokens ea
 from __future__ import annotations
 
 import json
+import warnings
 
 import numpy as np
 import pytest
@@ -127,19 +128,47 @@ def lm():
     model, tok, info = load_model("smollm2")
     register()
     ids = token_chunks(tok, part("evaluation"), 200, 1)[0]
-    ref = model(ids).logits  # stock sdpa
+    first = model(ids).logits  # stock sdpa (transformers' own "sdpa" implementation)
+    ref = model(ids).logits
+    drift = (first - ref).abs().max().item()
+    if drift:  # reported, not asserted: a property of the machine's float32 kernels, not of ours
+        warnings.warn(f"two identical stock-sdpa forward passes of SmolLM2 differ by {drift:.3g} "
+                      f"in the logits here ({torch.get_num_threads()} torch threads, CPU capability "
+                      f"{torch.backends.cpu.get_cpu_capability()})")
     model.set_attn_implementation("kvq")
     return model, tok, ids, ref
 
 
+def _assert_fp32_close(out, ref):
+    """``out`` equals the float32 reference logits ``ref`` up to float32 kernel differences.
+
+    Float32 attention kernels differ in summation order (torch's flash vs math kernels, thread
+    partitioning, the CPU's vector ISA) and 30 layers amplify that: on our 2-core machine flash vs
+    math moves SmolLM2's logits by 5e-5 (1.5e-6 of max |logit|); a CI machine saw 2.7e-4 of
+    max |logit| between transformers' "sdpa" and the registered implementation. Bound: 1e-3 of
+    max |logit| and a mean KL below 1e-5, under a tenth of the smallest KL the README reports
+    (1.2e-4), so a difference this test admits cannot move a reported number.
+    """
+    import torch
+
+    assert (out - ref).abs().max().item() <= 1e-3 * ref.abs().max().item()
+    logp = torch.log_softmax(ref, -1)
+    kl = (logp.exp() * (logp - torch.log_softmax(out, -1))).sum(-1).mean()
+    assert kl.item() < 1e-5
+
+
 @pytest.mark.model
 def test_capture_equals_stock_attention(lm):
+    import torch
+
     from kvq_eval.hooks import session
 
     model, tok, ids, ref = lm
+    off = model(ids).logits  # the registered function with no session: stock sdpa
     with session("capture") as s:
         out = model(ids).logits
-    assert (out - ref).abs().max().item() <= 1e-5
+    assert torch.equal(out, off)  # capturing copies q, k, v and changes no bit
+    _assert_fp32_close(out, ref)  # transformers' own "sdpa" implementation
     assert sorted(s.captured) == list(range(30))
     q, k, v = s.captured[0][0]
     assert q.shape == (9, 200, 64) and k.shape == (3, 200, 64) and v.shape == k.shape
@@ -153,7 +182,7 @@ def test_identity_method_reproduces_fp32_logits(lm):
     with session("simulate", make_spec("identity")):
         out = model(ids).logits
     # float64 attention vs torch's float32 sdpa: differences at float32 rounding of the logits
-    assert (out - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+    _assert_fp32_close(out, ref)
 
 
 @pytest.mark.model
