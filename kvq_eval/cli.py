@@ -151,6 +151,20 @@ def _cmd_compare(args) -> int:
     return 0
 
 
+def _cmd_readme(args) -> int:
+    from .readme import refresh_readme_file
+
+    changed = refresh_readme_file(args.readme, args.results, check=args.check)
+    if args.check:
+        if changed:
+            print(f"{args.readme}: tables differ from {args.results} (run kvq-eval readme to refresh them)")
+            return 1
+        print(f"{args.readme}: tables match {args.results}")
+    else:
+        print(f"{args.readme}: {'tables refreshed' if changed else 'tables already current'}")
+    return 0
+
+
 def _cmd_capture(args) -> int:
     for name in ("tokens", "sequences"):
         v = getattr(args, name)
@@ -217,6 +231,11 @@ def _parser() -> argparse.ArgumentParser:
     k.add_argument("--model", default="smollm2")
     k.add_argument("--variant", default=None, help="needle variant only (single or multiquery)")
     k.set_defaults(func=_cmd_compare)
+    m = sub.add_parser("readme", help="recompute the README's evaluation tables from the JSON")
+    m.add_argument("readme", nargs="?", default="README.md")
+    m.add_argument("--results", default="results/eval_v2", help="results folder (the --out of run)")
+    m.add_argument("--check", action="store_true", help="only compare: exit 1 when a table is stale")
+    m.set_defaults(func=_cmd_readme)
     c = sub.add_parser("capture", help="exact post-RoPE Q/K/V for kvq-codebooks calibrate")
     c.add_argument("--model", default="smollm2", choices=["smollm2", "gemma3"])
     c.add_argument("--tokens", type=int, default=1024)
