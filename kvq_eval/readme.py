@@ -23,6 +23,7 @@ print) raises ``ValueError`` naming it; the README is then left as it was.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 from .plot import (comparison_table, decode_table, load_results, markdown_table, paired_comparison, paired_ppl,
@@ -32,6 +33,7 @@ __all__ = ["refresh_readme", "refresh_readme_file"]
 
 SECTION = ("**Status.**", "**The v1 results**")
 PAIRED_8K = {"A − B at 8K": "smollm2", "A − B at 8K (Gemma-3)": "gemma3"}
+Results = Callable[[str], dict]  # model -> load_results of that model, loaded once
 _MARK = re.compile(r"^<!-- kvq-eval table (\w+)(?: (single|multiquery|decode|-))?( all)? -->$")
 
 
@@ -41,6 +43,11 @@ def _cells(line: str) -> list[str]:
 
 def _row(cells: list[str]) -> str:
     return "| " + " | ".join(cells) + " |"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """Markdown lines of a table: header, ``---`` line, rows."""
+    return [_row(header), "|" + "---|" * len(header)] + [_row(r) for r in rows]
 
 
 def _parse(text: str) -> list[list[str]]:
@@ -65,7 +72,7 @@ def _blocks(lines: list[str]) -> list[tuple[int, int, str]]:
     return out
 
 
-def _summary(results: dict, model: str, variant: str | None) -> list[list[str]]:
+def _summary(results: Results, model: str, variant: str | None) -> list[list[str]]:
     res = results(model)
     text = decode_table(res) if variant == "decode" else markdown_table(res, variant)
     return _parse(text)
@@ -94,12 +101,10 @@ def _entry_table(old: list[list[str]], gen: list[list[str]], all_rows: bool, whe
             if not match:
                 raise ValueError(f"{where}: no kvq-eval row for {' | '.join(r)}")
             rows.append(match[0])
-    lines = [_row(header), "|" + "---|" * len(header)]
-    lines += [_row([r[i] for i in idx]) for r in rows]
-    return lines
+    return _table(header, [[r[i] for i in idx] for r in rows])
 
 
-def _needle_pair(results: dict, lead: str, old: list[list[str]], where: str) -> list[str]:
+def _needle_pair(results: Results, lead: str, old: list[list[str]], where: str) -> list[str]:
     m = re.search(r"`([^`]+)` against `([^`]+)`", lead)
     if not m:
         raise ValueError(f"{where}: a paired needle table needs an '`A` against `B`' line above it")
@@ -108,7 +113,7 @@ def _needle_pair(results: dict, lead: str, old: list[list[str]], where: str) -> 
     gen = _parse(comparison_table(paired_comparison(cells, a, b), a, b))
     if gen[0] != old[0]:
         raise ValueError(f"{where}: header {old[0]} is not kvq-eval compare's {gen[0]}")
-    return [_row(gen[0]), "|" + "---|" * len(gen[0])] + [_row(r) for r in gen[1:]]
+    return _table(gen[0], gen[1:])
 
 
 def _readme_style(v: str) -> str:
@@ -116,10 +121,10 @@ def _readme_style(v: str) -> str:
     return re.sub(r"(?<![\w.])-(?=\d)", "−", v)
 
 
-def _paired_8k(results: dict, old: list[list[str]], where: str) -> list[str]:
+def _paired_8k(results: Results, old: list[list[str]], where: str) -> list[str]:
     model = PAIRED_8K[old[0][0]]
     res = results(model)
-    lines = [_row(old[0]), "|" + "---|" * len(old[0])]
+    rows = []
     for r in old[1:]:
         m = re.match(r"(\S+) − (\S+)", r[0])
         if not m:
@@ -129,8 +134,8 @@ def _paired_8k(results: dict, old: list[list[str]], where: str) -> list[str]:
         row = next((g for g in gen[1:] if g[0] == "8K"), None)
         if row is None:
             raise ValueError(f"{where}: {a} and {b} share no 8K perplexity windows")
-        lines.append(_row([r[0]] + [_readme_style(v) for v in (row[3], row[4], row[5], row[6])]))
-    return lines
+        rows.append([r[0]] + [_readme_style(v) for v in (row[3], row[4], row[5], row[6])])
+    return _table(old[0], rows)
 
 
 def refresh_readme(text: str, results_dir) -> str:
@@ -162,7 +167,7 @@ def refresh_readme(text: str, results_dir) -> str:
     head, body, tail = text[:start], text[start:end], text[end:]
     lines = body.split("\n")
     for i, j, lead in reversed(_blocks(lines)):
-        old = [_cells(line) for line in lines[i:j] if not set(line) <= set("|-: ")]
+        old = _parse("\n".join(lines[i:j]))
         line_no = head.count("\n") + i + 1
         where = f"README line {line_no}"
         mark = _MARK.match(lead.strip())
