@@ -43,7 +43,8 @@ def load_results(folder, model: str, entries=None) -> dict:
     """``{"ppl": {entry: {tokens: row}}, "niah": [cell], "decode": {entry: {(prefix, new_tokens): row}},
     "layers": {entry: row}}``.
 
-    ``entries`` (optional) keeps only those entries (``fp32``, ``<method>@<band>[+qprefill]``).
+    ``entries`` (optional) keeps only those entries (``fp32``, ``<method>@<band>[+qprefill]``);
+    needle cells keep fp32 as well, the reference of every entry's log-probability change.
     Raises ``FileNotFoundError`` when the folder has no results of ``model`` and ``ValueError``
     naming the file for anything that is not a result of this protocol (v1 folders included).
     """
@@ -70,7 +71,7 @@ def load_results(folder, model: str, entries=None) -> dict:
     for f in sorted((root / "niah").glob("*.json")):
         cell = _load(f, "niah")
         if keep is not None:
-            cell["results"] = {e: r for e, r in cell["results"].items() if e in keep}
+            cell["results"] = {e: r for e, r in cell["results"].items() if e in keep or e == "fp32"}
         if cell["results"]:
             out["niah"].append(cell)
     return out

@@ -60,6 +60,18 @@ def test_summaries_and_table(folder):
     assert len(paths) == 1 and paths[0].stat().st_size > 10_000
 
 
+def test_entries_filter_keeps_the_needle_reference(folder):
+    # filtering to one entry still pairs its needle samples with fp32 (the log-probability change
+    # is against fp32), and drops the other entries
+    res = load_results(folder, "smollm2", ["tq_mse4@none"])
+    assert set(res["ppl"]) == {"tq_mse4@none"}
+    assert niah_summary(res["niah"])["tq_mse4@none"][1024]["dlogprob"] == pytest.approx(-0.5)
+    row = next(r for r in markdown_table(res).splitlines() if r.startswith("| tq_mse4@none |"))
+    assert row.endswith("| -0.50 [-0.50, -0.50] |")
+    assert load_results(folder, "smollm2", ["tq_mse4@64,256"])["niah"] and \
+        "tq_mse4@none" not in niah_summary(load_results(folder, "smollm2", ["tq_mse4@64,256"])["niah"])
+
+
 def test_compare_mcnemar_and_bootstrap(folder, capsys):
     cmp = paired_comparison(load_results(folder, "smollm2")["niah"], "tq_mse4@none", "fp32")[1024]
     assert (cmp["a_only"], cmp["b_only"], cmp["both"], cmp["neither"]) == (0, 3, 7, 2)
