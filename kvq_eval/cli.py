@@ -115,9 +115,19 @@ def _cmd_run(args) -> int:
 def _cmd_plot(args) -> int:
     from .plot import plot_results
 
-    paths = plot_results(args.results, args.model, args.output, _entries(args.entries))
+    paths = plot_results(args.results, args.model, args.output, _entries(args.entries), args.variant)
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0
+
+
+# Needle variants of `table`/`compare`: exact match and log-probability are not comparable across
+# variants (RULER's multi-query asks several values), so one variant is the default, not a pool.
+VARIANTS = ("single", "multiquery", "all")
+
+
+def _variant(name: str) -> str | None:
+    """The ``variant`` argument of ``markdown_table``/the needle filter: None for ``all``."""
+    return None if name == "all" else name
 
 
 def _cmd_table(args) -> int:
@@ -131,7 +141,7 @@ def _cmd_table(args) -> int:
     elif args.layers:
         print(layers_table(res))
     else:
-        print(markdown_table(res, args.variant))
+        print(markdown_table(res, _variant(args.variant)))
     return 0
 
 
@@ -144,7 +154,8 @@ def _cmd_compare(args) -> int:
     # fp32 never has a perplexity cell), then the needle samples
     tables = [ppl_comparison_table(c, args.a, args.b)
               for c in (paired_ppl(res, args.a, args.b), paired_decode(res, args.a, args.b)) if c]
-    cells = [c for c in res["niah"] if args.variant is None or c["variant"] == args.variant]
+    variant = _variant(args.variant)
+    cells = [c for c in res["niah"] if variant is None or c["variant"] == variant]
     if not tables or (any(args.a in c["results"] for c in cells) and any(args.b in c["results"] for c in cells)):
         tables.append(comparison_table(paired_comparison(cells, args.a, args.b), args.a, args.b))
     print("\n\n".join(tables))
@@ -210,12 +221,15 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--model", default="smollm2")
     q.add_argument("-o", "--output", required=True, help="output prefix for the PNG files")
     q.add_argument("--entries", default=None, help="only these entries (';' list, e.g. 'fp32;tq_mse4@none')")
+    q.add_argument("--variant", default="single", choices=("single", "multiquery"),
+                   help="needle variant of the exact-match panel (default single)")
     q.set_defaults(func=_cmd_plot)
     t = sub.add_parser("table", help="the summary table (Markdown, with intervals) from the JSON")
     t.add_argument("results", help="results folder (the --out of run)")
     t.add_argument("--model", default="smollm2")
     t.add_argument("--entries", default=None, help="only these entries (';' list, e.g. 'fp32;tq_mse4@none')")
-    t.add_argument("--variant", default=None, help="needle variant only (single or multiquery)")
+    t.add_argument("--variant", default="single", choices=VARIANTS,
+                   help="needle variant of the needle columns (default single; 'all' pools every variant)")
     t.add_argument("--positions", type=int, default=None, metavar="TOKENS",
                    help="instead: the NLL change per position bin of the TOKENS-token perplexity windows")
     t.add_argument("--layers", action="store_true", help="instead: per-layer attention error (layers cells)")
@@ -229,7 +243,8 @@ def _parser() -> argparse.ArgumentParser:
     k.add_argument("a", help="entry, e.g. tq_mse4@none")
     k.add_argument("b", help="entry to compare against, e.g. fp32")
     k.add_argument("--model", default="smollm2")
-    k.add_argument("--variant", default=None, help="needle variant only (single or multiquery)")
+    k.add_argument("--variant", default="single", choices=VARIANTS,
+                   help="needle variant of the paired needle samples (default single; 'all' pools them)")
     k.set_defaults(func=_cmd_compare)
     m = sub.add_parser("readme", help="recompute the README's evaluation tables from the JSON")
     m.add_argument("readme", nargs="?", default="README.md")

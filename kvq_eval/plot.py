@@ -326,13 +326,17 @@ def _bits_key(e, pp, nh) -> float:
     return math.inf
 
 
-def figures(res: dict, model: str) -> dict:
+def figures(res: dict, model: str, variant: str = "single") -> dict:
     """``{"quality_vs_bits": Figure}``: perplexity change (per window length) and needle exact match
-    (per context) against the stored bits as the cache holds them, with interval bars."""
+    (per context, needle ``variant`` only: exact match is not comparable across variants, and a
+    pooled point would mix samples of different difficulty) against the stored bits as the cache
+    holds them, with interval bars."""
     from matplotlib.figure import Figure
 
+    if variant not in ("single", "multiquery"):
+        raise ValueError(f"variant must be 'single' or 'multiquery', got {variant!r}")
     pp = ppl_summary(res)
-    nh = niah_summary(res["niah"])
+    nh = niah_summary([c for c in res["niah"] if c["variant"] == variant])
     fig = Figure(figsize=(12, 4.5))
     ax1, ax2 = fig.subplots(1, 2)
     for t in sorted({t for by in pp.values() for t in by}):
@@ -360,7 +364,7 @@ def figures(res: dict, model: str) -> dict:
         if fp:
             ax2.axhline(fp["exact"], lw=0.8, ls="--", color="gray")
     ax2.set_xlabel("stored bits per element of the needle cache")
-    ax2.set_ylabel("needle exact match (Wilson 95% CI); dashed: fp32")
+    ax2.set_ylabel(f"{variant} needle exact match (Wilson 95% CI)\ndashed: fp32")
     ax2.set_ylim(-0.05, 1.05)
     ax2.grid(True, alpha=0.3)
     if nh:
@@ -370,12 +374,12 @@ def figures(res: dict, model: str) -> dict:
     return {"quality_vs_bits": fig}
 
 
-def plot_results(folder, model: str, prefix, entries=None) -> list[Path]:
+def plot_results(folder, model: str, prefix, entries=None, variant: str = "single") -> list[Path]:
     """Write ``PREFIX_quality_vs_bits.png`` (``figures``; ``entries`` as in ``load_results``)."""
     prefix = Path(prefix)
     prefix.parent.mkdir(parents=True, exist_ok=True)
     paths = []
-    for name, fig in figures(load_results(folder, model, entries), model).items():
+    for name, fig in figures(load_results(folder, model, entries), model, variant).items():
         path = Path(f"{prefix}_{name}.png")
         fig.savefig(path, dpi=110, metadata={"Software": None})
         paths.append(path)

@@ -227,3 +227,53 @@ def test_decode_table_and_paired_decode(folder, capsys):
 def test_decode_table_without_cells_is_an_error(folder, capsys):
     assert main(["table", str(folder), "--decode"]) == 2
     assert "no decode cells" in capsys.readouterr().err
+
+
+def _multiquery(folder):
+    """Add 12 multi-query samples at 1K beside the single ones: nobody exact, tq_mse4 1 nat below fp32."""
+    root = folder / "smollm2"
+    for s in range(12):
+        _write(root, f"niah/multiquery_ctx1024_d0.5_s{s}.json", {
+            "variant": "multiquery", "context": 1024, "sample": s, "depth": 0.5, "results": {
+                "fp32": {"exact": 0, "logprob": -5.0}, "tq_mse4@none": {"exact": 0, "logprob": -6.0,
+                                                                       "bits_per_element": 4.25}}})
+
+
+def test_chart_plots_one_needle_variant(folder):
+    # a multi-query cell at the same context must not be pooled into the single-needle point:
+    # the chart's exact-match panel shows one variant (default single), n and rate of that variant
+    from kvq_eval.plot import figures
+
+    _multiquery(folder)
+    res = load_results(folder, "smollm2")
+
+    def needle_points(variant):
+        ax = figures(res, "smollm2", variant)["quality_vs_bits"].axes[1]
+        labels = [t.get_text() for t in ax.get_legend().get_texts()]
+        ys = [float(y) for c in ax.containers for y in c.lines[0].get_ydata()]  # errorbar data points
+        return labels, ys
+
+    labels, ys = needle_points("single")
+    assert labels == ["1K (n=12)"] and ys == [pytest.approx(7 / 12)]
+    labels, ys = needle_points("multiquery")
+    assert labels == ["1K (n=12)"] and ys == [0.0]
+    with pytest.raises(ValueError, match="variant"):
+        figures(res, "smollm2", "multikey")
+
+
+def test_table_and_compare_default_to_the_single_needle(folder, capsys):
+    # `kvq-eval table`/`compare` without --variant show the single needle (a pool of variants mixes
+    # samples of different difficulty); --variant multiquery and --variant all are explicit
+    _multiquery(folder)
+
+    def row(*extra):
+        assert main(["table", str(folder), *extra]) == 0
+        return next(r for r in capsys.readouterr().out.splitlines() if r.startswith("| tq_mse4@none |"))
+
+    assert row().endswith("| 0.58 [0.32, 0.81] (12) | -0.50 [-0.50, -0.50] |")
+    assert row("--variant", "multiquery").endswith("| 0.00 [0.00, 0.24] (12) | -1.00 [-1.00, -1.00] |")
+    assert "(24) | -0.75 [" in row("--variant", "all")
+    assert main(["compare", str(folder), "tq_mse4@none", "fp32"]) == 0
+    assert "| 1024 | 12 | 0 | 3 | 7 | 2 | 0.25 | -0.50 [-0.50, -0.50] |" in capsys.readouterr().out
+    assert main(["compare", str(folder), "tq_mse4@none", "fp32", "--variant", "all"]) == 0
+    assert "| 1024 | 24 | 0 | 3 | 7 | 14 |" in capsys.readouterr().out
