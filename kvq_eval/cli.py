@@ -23,6 +23,7 @@ from pathlib import Path
 from codebooks.build import parse_float_list, parse_int_list
 
 from .methods import DEFAULT_METHODS, method_info
+from .niah import VARIANTS as NEEDLE_VARIANTS
 
 
 def _methods(text: str) -> list[str]:
@@ -122,7 +123,7 @@ def _cmd_plot(args) -> int:
 
 # Needle variants of `table`/`compare`: exact match and log-probability are not comparable across
 # variants (RULER's multi-query asks several values), so one variant is the default, not a pool.
-VARIANTS = ("single", "multiquery", "all")
+VARIANTS = NEEDLE_VARIANTS + ("all",)
 
 
 def _variant(name: str) -> str | None:
@@ -221,7 +222,7 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--model", default="smollm2")
     q.add_argument("-o", "--output", required=True, help="output prefix for the PNG files")
     q.add_argument("--entries", default=None, help="only these entries (';' list, e.g. 'fp32;tq_mse4@none')")
-    q.add_argument("--variant", default="single", choices=("single", "multiquery"),
+    q.add_argument("--variant", default="single", choices=NEEDLE_VARIANTS,
                    help="needle variant of the exact-match panel (default single)")
     q.set_defaults(func=_cmd_plot)
     t = sub.add_parser("table", help="the summary table (Markdown, with intervals) from the JSON")

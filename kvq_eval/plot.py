@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .niah import VARIANTS
 from .stats import bootstrap_mean_ci, mcnemar_exact, paired_bootstrap, wilson_interval
 
 __all__ = ["load_results", "ppl_summary", "niah_summary", "paired_comparison", "comparison_table",
@@ -333,8 +334,8 @@ def figures(res: dict, model: str, variant: str = "single") -> dict:
     holds them, with interval bars."""
     from matplotlib.figure import Figure
 
-    if variant not in ("single", "multiquery"):
-        raise ValueError(f"variant must be 'single' or 'multiquery', got {variant!r}")
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     pp = ppl_summary(res)
     nh = niah_summary([c for c in res["niah"] if c["variant"] == variant])
     fig = Figure(figsize=(12, 4.5))
