@@ -37,7 +37,8 @@ def default_densities() -> list[tuple[Density, tuple[int, ...]]]:
     return out
 
 
-def build(jobs: Iterable[tuple[Density, Iterable[int]]], progress: bool | None = None) -> list[Codebook]:
+def build(jobs: Iterable[tuple[Density, Iterable[int]]], progress: bool | None = None,
+          exact: bool = True) -> list[Codebook]:
     """Solve every (density, bits) pair of ``jobs``.
 
     Parameters
@@ -45,6 +46,10 @@ def build(jobs: Iterable[tuple[Density, Iterable[int]]], progress: bool | None =
     jobs : iterable of (Density, iterable of int)
     progress : bool or None
         Show a tqdm bar on stderr; None shows it only on a terminal and for more than 20 tables.
+    exact : bool
+        Correctly rounded levels (``lloyd_max(..., exact=True)``): the table files are the same
+        bytes on every platform. False keeps the float64 solution (faster for large 10-12-bit
+        sets; its last bits depend on the platform's floating point).
 
     Returns
     -------
@@ -58,7 +63,7 @@ def build(jobs: Iterable[tuple[Density, Iterable[int]]], progress: bool | None =
         from tqdm import tqdm
 
         it = tqdm(pairs, desc="solving", unit="table", file=sys.stderr)
-    return [lloyd_max(d, b) for d, b in it]
+    return [lloyd_max(d, b, exact=exact) for d, b in it]
 
 
 def parse_int_list(text: str, name: str, lo: int | None = None, hi: int | None = None,

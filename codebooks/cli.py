@@ -66,7 +66,7 @@ def _cmd_build(args) -> int:
         bits = parse_int_list(args.bits, "--bits", 1, MAX_BITS)
         jobs = [(d, bits) for d in _densities(args)]
     t0 = time.perf_counter()
-    cbs = build(jobs, progress=None if not args.quiet else False)
+    cbs = build(jobs, progress=None if not args.quiet else False, exact=not args.fast)
     elapsed = time.perf_counter() - t0
     folder = save_tables(cbs, args.out)
     print(f"wrote {len(cbs)} codebooks to {folder} in {elapsed:.2f} s "
@@ -214,6 +214,9 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--default", action="store_true", help="the default set (sphere dims, gaussian, polar)")
     b.add_argument("--out", required=True, help="output folder")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
+    b.add_argument("--fast", action="store_true",
+                   help="skip the 50-digit refinement: float64 levels whose last bits depend on the platform "
+                        "(default: the exact optimum correctly rounded, the same bytes everywhere)")
     b.set_defaults(func=_cmd_build)
 
     a = sub.add_parser("audit", help="exact excess distortion of a table from elsewhere")

@@ -38,7 +38,8 @@ class Codebook:
     solver : str
         Name of the algorithm that produced the table.
     iterations : int
-        Iterations the solver used.
+        Iterations the solver used (for ``"newton-tridiagonal+mp50"`` the float64 Newton steps; the
+        50-digit refinement's few steps are not counted, as their number depends on the start).
     residual : float
         Final centroid-condition residual ``max_i |c_i - E[X | cell i]| / std(X)``.
     version : str

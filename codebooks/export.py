@@ -33,7 +33,8 @@ FORMATS = ("llama.cpp",)
 
 
 def llama_cpp_codebooks(bits: list[int], dim: int = 128) -> list[Codebook]:
-    """The Lloyd-Max codebooks of ``SphereMarginal(dim)`` at each of ``bits`` (1..8), in order.
+    """The Lloyd-Max codebooks of ``SphereMarginal(dim)`` at each of ``bits`` (1..8), in order
+    (correctly rounded: the header is the same bytes on every platform).
 
     Raises
     ------
@@ -44,7 +45,7 @@ def llama_cpp_codebooks(bits: list[int], dim: int = 128) -> list[Codebook]:
         raise ValueError(f"dim must be an integer >= 2, got {dim!r}")
     if not bits or any(isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= 8 for b in bits):
         raise ValueError(f"bits must be one or more integers in 1..8, got {bits!r}")
-    return [lloyd_max(SphereMarginal(dim), b) for b in bits]
+    return [lloyd_max(SphereMarginal(dim), b, exact=True) for b in bits]
 
 
 def render_llama_cpp_header(codebooks: list[Codebook], dim: int) -> bytes:

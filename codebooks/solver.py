@@ -38,6 +38,7 @@ import math
 import numpy as np
 from numba import njit
 
+from ._exact import refine_half
 from ._quad import tridiagonal_solve
 from ._validate import check_bits
 from .codebook import Codebook, ConvergenceError
@@ -51,7 +52,8 @@ _EPS = np.finfo(np.float64).eps
 _POLISH_STEPS = 3
 
 
-def lloyd_max(density: Density, bits: int, *, tol: float = DEFAULT_TOL, max_iter: int = 200) -> Codebook:
+def lloyd_max(density: Density, bits: int, *, tol: float = DEFAULT_TOL, max_iter: int = 200,
+              exact: bool = False) -> Codebook:
     """Solve the Lloyd-Max (minimum-MSE fixed-rate scalar) codebook of ``density``.
 
     Parameters
@@ -64,6 +66,13 @@ def lloyd_max(density: Density, bits: int, *, tol: float = DEFAULT_TOL, max_iter
         Convergence tolerance on the centroid residual relative to ``density.scale``.
     max_iter : int
         Iteration cap (Newton steps; for ``Empirical``, Lloyd steps times 1000).
+    exact : bool
+        Continuous densities only: refine the float64 solution by Newton in 50-digit arithmetic
+        and round (``codebooks._exact``), so the levels are the exact optimum correctly rounded to
+        float64 and ``mse``/``residual`` are those of the stored table, the same bytes on every
+        platform (solver ``"newton-tridiagonal+mp50"``; ~0.1-5 s per table at 8 bits). Without
+        it the last ~10 bits of 7-8-bit levels depend on the platform's floating point. No
+        effect on ``Empirical`` (its discrete solve is exact already).
 
     Notes
     -----
@@ -91,9 +100,11 @@ def lloyd_max(density: Density, bits: int, *, tol: float = DEFAULT_TOL, max_iter
         raise ValueError(f"tol must be a number in (0, 1e-3), got {tol!r}")
     if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 1:
         raise ValueError(f"max_iter must be an integer >= 1, got {max_iter!r}")
+    if not isinstance(exact, bool):
+        raise TypeError(f"exact must be a bool, got {type(exact).__name__}")
     if isinstance(density, Empirical):
         return _solve_empirical(density, bits, float(tol), max_iter * 1000)
-    return _solve_continuous(density, bits, float(tol), max_iter)
+    return _solve_continuous(density, bits, float(tol), max_iter, exact)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -124,10 +135,12 @@ def _valid(c, lo, hi):
     return bool(np.all(np.isfinite(c)) and np.all(np.diff(c) > 0) and c[0] > lo and c[-1] < hi)
 
 
-def _solve_half(q: QuadSpec, lo: float, hi: float, c: np.ndarray, scale: float, tol: float, max_iter: int):
+def _solve_half(q: QuadSpec, lo: float, hi: float, c: np.ndarray, scale: float, tol: float, max_iter: int,
+                polish_steps: int = _POLISH_STEPS):
     """Safeguarded Newton for K levels on [lo, hi] with both ends fixed.
 
-    Returns (levels, residual, distortion over [lo, hi], iterations).
+    ``polish_steps`` more steps are taken once the residual is below ``tol`` (fewer if it stops
+    falling). Returns (levels, residual, distortion over [lo, hi], iterations).
     """
     P, R, D, f = _evaluate(q, lo, hi, c)
     best = None
@@ -141,7 +154,7 @@ def _solve_half(q: QuadSpec, lo: float, hi: float, c: np.ndarray, scale: float, 
             best = (res, c, float(np.sum(D)), it)
         if res <= tol:
             # a few more quadratic steps push the residual down to the rounding floor
-            if polish >= _POLISH_STEPS or res >= prev or res < 4 * _EPS:
+            if polish >= polish_steps or res >= prev or res < 4 * _EPS:
                 break
             polish += 1
         if it == max_iter:
@@ -175,24 +188,38 @@ def _solve_half(q: QuadSpec, lo: float, hi: float, c: np.ndarray, scale: float, 
     return c, res, dist, iters
 
 
-def _solve_continuous(density: Density, bits: int, tol: float, max_iter: int) -> Codebook:
+def _solve_continuous(density: Density, bits: int, tol: float, max_iter: int, exact: bool) -> Codebook:
     q = density._quad()
+    # the exact path stops at tol: the rounding-floor polish is where platforms differ, and the
+    # 50-digit refinement replaces it (so the iteration count is platform-free too)
+    polish = 0 if exact else _POLISH_STEPS
     lo, hi = density.support
     k = 2**bits
     center = density.center
     if center is None:  # asymmetric density: all K levels at once
+        if exact:  # pragma: no cover - every continuous density of the package is symmetric
+            raise ValueError(f"exact=True needs a symmetric density, {density!r} is not")
         c0 = density._compander((np.arange(k) + 0.5) / k)
-        levels, res, mse, iters = _solve_half(q, lo, hi, c0, density.scale, tol, max_iter)
+        levels, res, mse, iters = _solve_half(q, lo, hi, c0, density.scale, tol, max_iter, polish)
         thresholds = 0.5 * (levels[:-1] + levels[1:])
     else:  # symmetric: solve the upper half with the centre threshold fixed, then mirror
         c0 = density._compander(0.5 + (np.arange(k // 2) + 0.5) / k)
-        c, res, half_mse, iters = _solve_half(q, center, hi, c0, density.scale, tol, max_iter)
-        half_t = 0.5 * (c[:-1] + c[1:])
-        levels = np.concatenate([2 * center - c[::-1], c])
-        thresholds = np.concatenate([2 * center - half_t[::-1], [center], half_t])
-        mse = 2.0 * half_mse
+        c, res, half_mse, iters = _solve_half(q, center, hi, c0, density.scale, tol, max_iter, polish)
+        if exact:
+            # iterations stays the float64 count: the refinement's step count depends on how
+            # close the platform's float64 start was, and the table must not
+            full, res, mse, _ = refine_half(density, c)
+            levels = np.asarray(full, dtype=np.float64)
+            thresholds = 0.5 * (levels[:-1] + levels[1:])
+            thresholds[k // 2 - 1] = center
+        else:
+            half_t = 0.5 * (c[:-1] + c[1:])
+            levels = np.concatenate([2 * center - c[::-1], c])
+            thresholds = np.concatenate([2 * center - half_t[::-1], [center], half_t])
+            mse = 2.0 * half_mse
     return Codebook(levels=levels, thresholds=thresholds, mse=mse, density=density, bits=bits,
-                    solver="newton-tridiagonal", iterations=iters, residual=res)
+                    solver="newton-tridiagonal+mp50" if exact else "newton-tridiagonal",
+                    iterations=iters, residual=res)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -116,10 +116,11 @@ def _plain(v):
 
 @lru_cache(maxsize=256)
 def codebook(density, bits: int):
-    """The exact Lloyd-Max ``Codebook`` of ``density`` at ``bits`` (solved once per process)."""
+    """The exact Lloyd-Max ``Codebook`` of ``density`` at ``bits``, correctly rounded (solved once per
+    process; the same levels as the shipped tables, on every platform)."""
     from codebooks import lloyd_max
 
-    return lloyd_max(density, bits)
+    return lloyd_max(density, bits, exact=True)
 
 
 @njit(cache=True)

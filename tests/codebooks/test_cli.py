@@ -29,6 +29,15 @@ def test_build_show_and_reload(tmp_path, capsys):
     assert "SphereMarginal(d=64)" in capsys.readouterr().out
 
 
+def test_build_is_exact_unless_fast(tmp_path, capsys):
+    args = ["build", "--dist", "sphere", "--dim", "96", "--bits", "7", "--quiet"]
+    assert main(args + ["--out", str(tmp_path / "e")]) == 0
+    assert main(args + ["--out", str(tmp_path / "f"), "--fast"]) == 0
+    exact, fast = load_tables(tmp_path / "e")["sphere_d96_b7"], load_tables(tmp_path / "f")["sphere_d96_b7"]
+    assert exact.solver == "newton-tridiagonal+mp50" and fast.solver == "newton-tridiagonal"
+    assert exact == lloyd_max(SphereMarginal(96), 7, exact=True) and fast == lloyd_max(SphereMarginal(96), 7)
+
+
 def test_build_polar(tmp_path, capsys):
     assert main(["build", "--dist", "polar", "--level", "1-2", "--bits", "2", "--out", str(tmp_path), "--quiet"]) == 0
     assert sorted(load_tables(tmp_path)) == ["polar_l1_b2", "polar_l2_b2"]

@@ -238,3 +238,30 @@ def test_package_levels_match_reference(label):
     assert cb.levels.dtype == np.float64 and cb.levels.shape == (k,)
     err = np.max(np.abs(cb.levels - ref))
     assert err <= atol, f"max level error {err:.3e} > atol {atol:.3e}"
+
+
+# ------------------------------------------------------------------------------------------------
+# d. exact=True: the package's tables are the reference optimum, correctly rounded
+
+
+@pytest.mark.parametrize("label", sorted(BY_LABEL))
+def test_exact_tables_are_the_reference_correctly_rounded(label):
+    # The reference holds each level to 30 significant digits, so rounding it to float64 gives the
+    # rounding of the true optimum unless that lies within 1e-30 relative of a midpoint between two
+    # floats (chance ~1e-14 per level): equality is the expectation, not a tolerance. The mse of
+    # the stored table (rounded levels, float64 midpoints) differs from the optimum's by
+    # O(ulp^2) relative, so it too rounds to the reference mse.
+    case = BY_LABEL[label]
+    cb = lloyd_max(_DENSITY[case["kind"]](**case["params"]), case["bits"], exact=True)
+    with mp.workdps(50):
+        ref = np.array([float(mpf(x)) for x in case["levels"]])
+        ref_mse = float(mpf(case["mse"]))
+    k = 2 ** case["bits"]
+    assert cb.solver == "newton-tridiagonal+mp50"
+    np.testing.assert_array_equal(cb.levels, ref)
+    assert cb.mse == ref_mse
+    mid = 0.5 * (cb.levels[:-1] + cb.levels[1:])
+    mid[k // 2 - 1] = cb.density.center  # the centre threshold is the float64 centre itself
+    np.testing.assert_array_equal(cb.thresholds, mid)
+    # the rounded levels' own centroid residual: half an ulp of the largest level, over the std
+    assert cb.residual <= 2 * np.spacing(np.max(np.abs(cb.levels))) / _std(case, cb)

@@ -189,7 +189,10 @@ def test_c_header_compiles_and_matches_float32_bits(tmp_path, small_set):
 
 
 def test_shipped_tables_regenerate_byte_identically(tmp_path):
-    """`make tables` (kvq-codebooks build --default) reproduces the shipped set exactly."""
+    """`make tables` (kvq-codebooks build --default) reproduces the shipped set exactly.
+
+    The levels are the exact optima correctly rounded (``exact=True``), so this holds on any
+    platform, not only the one that wrote the files (``test_exact.py``)."""
     save_tables(build(default_densities(), progress=False), tmp_path)
     for name in FILES:
         assert (tmp_path / name).read_bytes() == (SHIPPED_DIR / name).read_bytes(), name

@@ -78,9 +78,10 @@ def _rotation_matrix(tb: TurboBlock) -> np.ndarray:
 
 def _table(tb: TurboBlock):
     """(levels, thresholds) float64 from outside kvq_ref: the fork's 6-decimal tables (REFERENCE /
-    facts: the fork's float32 literals) or lloyd_max rounded like the profile's arithmetic."""
+    facts: the fork's float32 literals) or the exact lloyd_max table (the spec's: correctly
+    rounded) rounded like the profile's arithmetic."""
     if tb.spec.tables is None:
-        cb = lloyd_max(SphereMarginal(tb.block), tb.bits)
+        cb = lloyd_max(SphereMarginal(tb.block), tb.bits, exact=True)
         dt = np.float32 if tb.spec.arithmetic == "float32" else np.float64
         return cb.levels.astype(dt).astype(np.float64), cb.thresholds.astype(dt).astype(np.float64)
     return tuple(np.array(v, np.float32).astype(np.float64) for v in FORK_TABLES[tb.bits])

@@ -17,7 +17,7 @@ typedef struct {
     double mse;              /* per-coordinate distortion of the float64 table */
 } kvq_table_t;
 
-/* gaussian_b1: Gaussian(sigma=1.0), bits=1, mse=0.36338022763241845 */
+/* gaussian_b1: Gaussian(sigma=1.0), bits=1, mse=0.3633802276324187 */
 static const float kvq_gaussian_b1_levels[2] = {
     -7.97884583e-01f, 7.97884583e-01f
 };
@@ -25,7 +25,7 @@ static const float kvq_gaussian_b1_thresholds[1] = {
     0.00000000e+00f
 };
 
-/* gaussian_b2: Gaussian(sigma=1.0), bits=2, mse=0.11748184782932913 */
+/* gaussian_b2: Gaussian(sigma=1.0), bits=2, mse=0.11748184782932929 */
 static const float kvq_gaussian_b2_levels[4] = {
     -1.51041758e+00f, -4.52780038e-01f, 4.52780038e-01f, 1.51041758e+00f
 };
@@ -33,7 +33,7 @@ static const float kvq_gaussian_b2_thresholds[3] = {
     -9.81598794e-01f, 0.00000000e+00f, 9.81598794e-01f
 };
 
-/* gaussian_b3: Gaussian(sigma=1.0), bits=3, mse=0.03454776078850372 */
+/* gaussian_b3: Gaussian(sigma=1.0), bits=3, mse=0.03454776078850373 */
 static const float kvq_gaussian_b3_levels[8] = {
     -2.15194559e+00f, -1.34390926e+00f, -7.56005287e-01f, -2.45094180e-01f, 2.45094180e-01f, 7.56005287e-01f,
     1.34390926e+00f, 2.15194559e+00f
@@ -55,7 +55,7 @@ static const float kvq_gaussian_b4_thresholds[15] = {
     1.43713880e+00f, 1.84353185e+00f, 2.40080333e+00f
 };
 
-/* gaussian_b5: Gaussian(sigma=1.0), bits=5, mse=0.0025046683556747998 */
+/* gaussian_b5: Gaussian(sigma=1.0), bits=5, mse=0.0025046683556747993 */
 static const float kvq_gaussian_b5_levels[32] = {
     -3.26073241e+00f, -2.69111967e+00f, -2.31773949e+00f, -2.02872849e+00f, -1.78723323e+00f, -1.57622802e+00f,
     -1.38634038e+00f, -1.21180439e+00f, -1.04878330e+00f, -8.94565105e-01f, -7.47135699e-01f, -6.04933619e-01f,
@@ -73,7 +73,7 @@ static const float kvq_gaussian_b5_thresholds[31] = {
     2.97592592e+00f
 };
 
-/* gaussian_b6: Gaussian(sigma=1.0), bits=6, mse=0.0006442396653172621 */
+/* gaussian_b6: Gaussian(sigma=1.0), bits=6, mse=0.0006442396653172622 */
 static const float kvq_gaussian_b6_levels[64] = {
     -3.74410129e+00f, -3.24043703e+00f, -2.91740680e+00f, -2.67227387e+00f, -2.47130489e+00f, -2.29898119e+00f,
     -2.14681029e+00f, -2.00961113e+00f, -1.88397729e+00f, -1.76754189e+00f, -1.65858889e+00f, -1.55583119e+00f,
@@ -101,7 +101,7 @@ static const float kvq_gaussian_b6_thresholds[63] = {
     2.79484034e+00f, 3.07892203e+00f, 3.49226928e+00f
 };
 
-/* gaussian_b7: Gaussian(sigma=1.0), bits=7, mse=0.00016347822998023684 */
+/* gaussian_b7: Gaussian(sigma=1.0), bits=7, mse=0.00016347822998023678 */
 static const float kvq_gaussian_b7_levels[128] = {
     -4.18969393e+00f, -3.73493671e+00f, -3.44743037e+00f, -3.23193312e+00f, -3.05724621e+00f, -2.90904713e+00f,
     -2.77951431e+00f, -2.66388655e+00f, -2.55904055e+00f, -2.46281147e+00f, -2.37363434e+00f, -2.29033923e+00f,
@@ -151,7 +151,7 @@ static const float kvq_gaussian_b7_thresholds[127] = {
     3.96231532e+00f
 };
 
-/* gaussian_b8: Gaussian(sigma=1.0), bits=8, mse=4.118508286711747e-05 */
+/* gaussian_b8: Gaussian(sigma=1.0), bits=8, mse=4.1185082867117485e-05 */
 static const float kvq_gaussian_b8_levels[256] = {
     -4.60353565e+00f, -4.18659544e+00f, -3.92563772e+00f, -3.73166633e+00f, -3.57558799e+00f, -3.44407177e+00f,
     -3.32984853e+00f, -3.22850013e+00f, -3.13713264e+00f, -3.05374193e+00f, -2.97688222e+00f, -2.90547299e+00f,
@@ -243,7 +243,7 @@ static const float kvq_gaussian_b8_thresholds[255] = {
     3.82865191e+00f, 4.05611658e+00f, 4.39506531e+00f
 };
 
-/* polar_l1_b1: PolarAngle(level=1), bits=1, mse=0.8224670334241131 */
+/* polar_l1_b1: PolarAngle(level=1), bits=1, mse=0.8224670334241132 */
 static const float kvq_polar_l1_b1_levels[2] = {
     1.57079637e+00f, 4.71238899e+00f
 };
@@ -251,7 +251,7 @@ static const float kvq_polar_l1_b1_thresholds[1] = {
     3.14159274e+00f
 };
 
-/* polar_l1_b2: PolarAngle(level=1), bits=2, mse=0.20561675835602836 */
+/* polar_l1_b2: PolarAngle(level=1), bits=2, mse=0.2056167583560283 */
 static const float kvq_polar_l1_b2_levels[4] = {
     7.85398185e-01f, 2.35619450e+00f, 3.92699075e+00f, 5.49778700e+00f
 };
@@ -259,7 +259,7 @@ static const float kvq_polar_l1_b2_thresholds[3] = {
     1.57079637e+00f, 3.14159274e+00f, 4.71238899e+00f
 };
 
-/* polar_l1_b3: PolarAngle(level=1), bits=3, mse=0.05140418958900708 */
+/* polar_l1_b3: PolarAngle(level=1), bits=3, mse=0.051404189589007075 */
 static const float kvq_polar_l1_b3_levels[8] = {
     3.92699093e-01f, 1.17809725e+00f, 1.96349537e+00f, 2.74889350e+00f, 3.53429174e+00f, 4.31968975e+00f,
     5.10508823e+00f, 5.89048624e+00f
@@ -269,7 +269,7 @@ static const float kvq_polar_l1_b3_thresholds[7] = {
     5.49778700e+00f
 };
 
-/* polar_l1_b4: PolarAngle(level=1), bits=4, mse=0.012851047397251774 */
+/* polar_l1_b4: PolarAngle(level=1), bits=4, mse=0.012851047397251769 */
 static const float kvq_polar_l1_b4_levels[16] = {
     1.96349546e-01f, 5.89048624e-01f, 9.81747687e-01f, 1.37444675e+00f, 1.76714587e+00f, 2.15984488e+00f,
     2.55254412e+00f, 2.94524312e+00f, 3.33794212e+00f, 3.73064137e+00f, 4.12334013e+00f, 4.51603937e+00f,
@@ -281,7 +281,7 @@ static const float kvq_polar_l1_b4_thresholds[15] = {
     5.10508823e+00f, 5.49778700e+00f, 5.89048624e+00f
 };
 
-/* polar_l2_b1: PolarAngle(level=2), bits=1, mse=0.03539816339744832 */
+/* polar_l2_b1: PolarAngle(level=2), bits=1, mse=0.03539816339744831 */
 static const float kvq_polar_l2_b1_levels[2] = {
     5.00000000e-01f, 1.07079637e+00f
 };
@@ -297,7 +297,7 @@ static const float kvq_polar_l2_b2_thresholds[3] = {
     4.71868187e-01f, 7.85398185e-01f, 1.09892809e+00f
 };
 
-/* polar_l2_b3: PolarAngle(level=2), bits=3, mse=0.0026363423289553945 */
+/* polar_l2_b3: PolarAngle(level=2), bits=3, mse=0.0026363423289553953 */
 static const float kvq_polar_l2_b3_levels[8] = {
     1.88449606e-01f, 3.79996300e-01f, 5.48254967e-01f, 7.07229972e-01f, 8.63566339e-01f, 1.02254140e+00f,
     1.19080007e+00f, 1.38234675e+00f
@@ -307,7 +307,7 @@ static const float kvq_polar_l2_b3_thresholds[7] = {
     1.28657341e+00f
 };
 
-/* polar_l2_b4: PolarAngle(level=2), bits=4, mse=0.0006810410400333335 */
+/* polar_l2_b4: PolarAngle(level=2), bits=4, mse=0.0006810410400333332 */
 static const float kvq_polar_l2_b4_levels[16] = {
     1.13424748e-01f, 2.27512747e-01f, 3.25899512e-01f, 4.16422904e-01f, 5.02210140e-01f, 5.84975064e-01f,
     6.65842950e-01f, 7.45658994e-01f, 8.25137317e-01f, 9.04953361e-01f, 9.85821247e-01f, 1.06858623e+00f,
@@ -319,7 +319,7 @@ static const float kvq_polar_l2_b4_thresholds[15] = {
     1.19963515e+00f, 1.29409015e+00f, 1.40032756e+00f
 };
 
-/* polar_l3_b1: PolarAngle(level=3), bits=1, mse=0.020464523963689682 */
+/* polar_l3_b1: PolarAngle(level=3), bits=1, mse=0.020464523963689696 */
 static const float kvq_polar_l3_b1_levels[2] = {
     5.83333313e-01f, 9.87462997e-01f
 };
@@ -335,7 +335,7 @@ static const float kvq_polar_l3_b2_thresholds[3] = {
     5.50317347e-01f, 7.85398185e-01f, 1.02047896e+00f
 };
 
-/* polar_l3_b3: PolarAngle(level=3), bits=3, mse=0.0017195281233129398 */
+/* polar_l3_b3: PolarAngle(level=3), bits=3, mse=0.0017195281233129392 */
 static const float kvq_polar_l3_b3_levels[8] = {
     3.07516575e-01f, 4.73175555e-01f, 6.06067955e-01f, 7.26746559e-01f, 8.44049752e-01f, 9.64728355e-01f,
     1.09762073e+00f, 1.26327980e+00f
@@ -345,7 +345,7 @@ static const float kvq_polar_l3_b3_thresholds[7] = {
     1.18045032e+00f
 };
 
-/* polar_l3_b4: PolarAngle(level=3), bits=4, mse=0.00045692137228950424 */
+/* polar_l3_b4: PolarAngle(level=3), bits=4, mse=0.0004569213722895042 */
 static const float kvq_polar_l3_b4_levels[16] = {
     2.19941616e-01f, 3.34062368e-01f, 4.22019243e-01f, 4.97957945e-01f, 5.67051113e-01f, 6.31939113e-01f,
     6.94254458e-01f, 7.55165994e-01f, 8.15630317e-01f, 8.76541853e-01f, 9.38857198e-01f, 1.00374520e+00f,
@@ -357,7 +357,7 @@ static const float kvq_polar_l3_b4_thresholds[15] = {
     1.11080778e+00f, 1.19275546e+00f, 1.29379427e+00f
 };
 
-/* polar_l4_b1: PolarAngle(level=4), bits=1, mse=0.010857452611666702 */
+/* polar_l4_b1: PolarAngle(level=4), bits=1, mse=0.010857452611666716 */
 static const float kvq_polar_l4_b1_levels[2] = {
     6.43154740e-01f, 9.27641571e-01f
 };
@@ -365,7 +365,7 @@ static const float kvq_polar_l4_b1_thresholds[1] = {
     7.85398185e-01f
 };
 
-/* polar_l4_b2: PolarAngle(level=4), bits=2, mse=0.0033933731873445226 */
+/* polar_l4_b2: PolarAngle(level=4), bits=2, mse=0.003393373187344524 */
 static const float kvq_polar_l4_b2_levels[4] = {
     5.24214089e-01f, 7.05909431e-01f, 8.64886940e-01f, 1.04658222e+00f
 };
@@ -373,7 +373,7 @@ static const float kvq_polar_l4_b2_thresholds[3] = {
     6.15061760e-01f, 7.85398185e-01f, 9.55734551e-01f
 };
 
-/* polar_l4_b3: PolarAngle(level=4), bits=3, mse=0.000972945516398531 */
+/* polar_l4_b3: PolarAngle(level=4), bits=3, mse=0.0009729455163985312 */
 static const float kvq_polar_l4_b3_levels[8] = {
     4.25761282e-01f, 5.55650294e-01f, 6.54797077e-01f, 7.42870212e-01f, 8.27926099e-01f, 9.15999293e-01f,
     1.01514602e+00f, 1.14503503e+00f
@@ -383,7 +383,7 @@ static const float kvq_polar_l4_b3_thresholds[7] = {
     1.08009052e+00f
 };
 
-/* polar_l4_b4: PolarAngle(level=4), bits=4, mse=0.0002630991788020892 */
+/* polar_l4_b4: PolarAngle(level=4), bits=4, mse=0.00026309917880208944 */
 static const float kvq_polar_l4_b4_levels[16] = {
     3.45109582e-01f, 4.42855626e-01f, 5.13494909e-01f, 5.72272062e-01f, 6.24496460e-01f, 6.72777832e-01f,
     7.18680024e-01f, 7.63294935e-01f, 8.07501376e-01f, 8.52116287e-01f, 8.98018479e-01f, 9.46299851e-01f,
@@ -395,7 +395,7 @@ static const float kvq_polar_l4_b4_thresholds[15] = {
     1.02791286e+00f, 1.09262109e+00f, 1.17681372e+00f
 };
 
-/* sphere_d16_b1: SphereMarginal(d=16), bits=1, mse=0.021449065495836583 */
+/* sphere_d16_b1: SphereMarginal(d=16), bits=1, mse=0.021449065495836556 */
 static const float kvq_sphere_d16_b1_levels[2] = {
     -2.02610299e-01f, 2.02610299e-01f
 };
@@ -411,7 +411,7 @@ static const float kvq_sphere_d16_b2_thresholds[3] = {
     -2.39847898e-01f, 0.00000000e+00f, 2.39847898e-01f
 };
 
-/* sphere_d16_b3: SphereMarginal(d=16), bits=3, mse=0.0018802585807268968 */
+/* sphere_d16_b3: SphereMarginal(d=16), bits=3, mse=0.0018802585807268966 */
 static const float kvq_sphere_d16_b3_levels[8] = {
     -4.99198824e-01f, -3.21742475e-01f, -1.83678985e-01f, -5.99222369e-02f, 5.99222369e-02f, 1.83678985e-01f,
     3.21742475e-01f, 4.99198824e-01f
@@ -421,7 +421,7 @@ static const float kvq_sphere_d16_b3_thresholds[7] = {
     4.10470665e-01f
 };
 
-/* sphere_d16_b4: SphereMarginal(d=16), bits=4, mse=0.0005058539216812122 */
+/* sphere_d16_b4: SphereMarginal(d=16), bits=4, mse=0.0005058539216812124 */
 static const float kvq_sphere_d16_b4_levels[16] = {
     -6.03894651e-01f, -4.74280536e-01f, -3.78545642e-01f, -2.97797650e-01f, -2.25389451e-01f, -1.58025637e-01f,
     -9.37163532e-02f, -3.10634151e-02f, 3.10634151e-02f, 9.37163532e-02f, 1.58025637e-01f, 2.25389451e-01f,
@@ -433,7 +433,7 @@ static const float kvq_sphere_d16_b4_thresholds[15] = {
     3.38171631e-01f, 4.26413089e-01f, 5.39087594e-01f
 };
 
-/* sphere_d16_b5: SphereMarginal(d=16), bits=5, mse=0.0001316302536587466 */
+/* sphere_d16_b5: SphereMarginal(d=16), bits=5, mse=0.00013163025365874658 */
 static const float kvq_sphere_d16_b5_levels[32] = {
     -6.86397612e-01f, -5.89098513e-01f, -5.19153655e-01f, -4.61721629e-01f, -4.11648721e-01f, -3.66455853e-01f,
     -3.24731827e-01f, -2.85582930e-01f, -2.48398930e-01f, -2.12738290e-01f, -1.78266078e-01f, -1.44717574e-01f,
@@ -451,7 +451,7 @@ static const float kvq_sphere_d16_b5_thresholds[31] = {
     6.37748063e-01f
 };
 
-/* sphere_d16_b6: SphereMarginal(d=16), bits=6, mse=3.3612145369529425e-05 */
+/* sphere_d16_b6: SphereMarginal(d=16), bits=6, mse=3.361214536952941e-05 */
 static const float kvq_sphere_d16_b6_levels[64] = {
     -7.51273632e-01f, -6.76918328e-01f, -6.24318659e-01f, -5.81754208e-01f, -5.45160651e-01f, -5.12588799e-01f,
     -4.82934684e-01f, -4.55504864e-01f, -4.29831594e-01f, -4.05582428e-01f, -3.82511228e-01f, -3.60430002e-01f,
@@ -479,7 +479,7 @@ static const float kvq_sphere_d16_b6_thresholds[63] = {
     6.03036404e-01f, 6.50618494e-01f, 7.14096010e-01f
 };
 
-/* sphere_d16_b7: SphereMarginal(d=16), bits=7, mse=8.495892460842647e-06 */
+/* sphere_d16_b7: SphereMarginal(d=16), bits=7, mse=8.495892460842645e-06 */
 static const float kvq_sphere_d16_b7_levels[128] = {
     -8.02331388e-01f, -7.44801402e-01f, -7.04521954e-01f, -6.72215819e-01f, -6.44667149e-01f, -6.20334566e-01f,
     -5.98345876e-01f, -5.78153789e-01f, -5.59389532e-01f, -5.41791558e-01f, -5.25166750e-01f, -5.09367943e-01f,
@@ -529,7 +529,7 @@ static const float kvq_sphere_d16_b7_thresholds[127] = {
     7.73566365e-01f
 };
 
-/* sphere_d16_b8: SphereMarginal(d=16), bits=8, mse=2.1359673016744612e-06 */
+/* sphere_d16_b8: SphereMarginal(d=16), bits=8, mse=2.135967301674462e-06 */
 static const float kvq_sphere_d16_b8_levels[256] = {
     -8.42606843e-01f, -7.97695756e-01f, -7.66471088e-01f, -7.41572976e-01f, -7.20451534e-01f, -7.01884866e-01f,
     -6.85181975e-01f, -6.69909298e-01f, -6.55775130e-01f, -6.42572343e-01f, -6.30148172e-01f, -6.18386388e-01f,
@@ -621,7 +621,7 @@ static const float kvq_sphere_d16_b8_thresholds[255] = {
     7.54022062e-01f, 7.82083452e-01f, 8.20151269e-01f
 };
 
-/* sphere_d32_b1: SphereMarginal(d=32), bits=1, mse=0.011042392736142525 */
+/* sphere_d32_b1: SphereMarginal(d=32), bits=1, mse=0.011042392736142537 */
 static const float kvq_sphere_d32_b1_levels[2] = {
     -1.42153457e-01f, 1.42153457e-01f
 };
@@ -629,7 +629,7 @@ static const float kvq_sphere_d32_b1_thresholds[1] = {
     0.00000000e+00f
 };
 
-/* sphere_d32_b2: SphereMarginal(d=32), bits=2, mse=0.0034875100087004476 */
+/* sphere_d32_b2: SphereMarginal(d=32), bits=2, mse=0.0034875100087004463 */
 static const float kvq_sphere_d32_b2_levels[4] = {
     -2.63319403e-01f, -7.98019320e-02f, 7.98019320e-02f, 2.63319403e-01f
 };
@@ -637,7 +637,7 @@ static const float kvq_sphere_d32_b2_thresholds[3] = {
     -1.71560675e-01f, 0.00000000e+00f, 1.71560675e-01f
 };
 
-/* sphere_d32_b3: SphereMarginal(d=32), bits=3, mse=0.0010081583033142852 */
+/* sphere_d32_b3: SphereMarginal(d=32), bits=3, mse=0.001008158303314285 */
 static const float kvq_sphere_d32_b3_levels[8] = {
     -3.66268247e-01f, -2.32460573e-01f, -1.31756097e-01f, -4.28515151e-02f, 4.28515151e-02f, 1.31756097e-01f,
     2.32460573e-01f, 3.66268247e-01f
@@ -677,7 +677,7 @@ static const float kvq_sphere_d32_b5_thresholds[31] = {
     4.85650241e-01f
 };
 
-/* sphere_d32_b6: SphereMarginal(d=32), bits=6, mse=1.8400177948008827e-05 */
+/* sphere_d32_b6: SphereMarginal(d=32), bits=6, mse=1.8400177948008816e-05 */
 static const float kvq_sphere_d32_b6_levels[64] = {
     -5.89545190e-01f, -5.21489084e-01f, -4.75637347e-01f, -4.39690381e-01f, -4.09497589e-01f, -3.83109063e-01f,
     -3.59439105e-01f, -3.37815553e-01f, -3.17790627e-01f, -2.99049735e-01f, -2.81362236e-01f, -2.64553666e-01f,
@@ -705,7 +705,7 @@ static const float kvq_sphere_d32_b6_thresholds[63] = {
     4.57663864e-01f, 4.98563230e-01f, 5.55517137e-01f
 };
 
-/* sphere_d32_b7: SphereMarginal(d=32), bits=7, mse=4.659773352983739e-06 */
+/* sphere_d32_b7: SphereMarginal(d=32), bits=7, mse=4.6597733529837396e-06 */
 static const float kvq_sphere_d32_b7_levels[128] = {
     -6.42622352e-01f, -5.85852504e-01f, -5.48078477e-01f, -5.18779159e-01f, -4.94408935e-01f, -4.73304540e-01f,
     -4.54541177e-01f, -4.37547177e-01f, -4.21942443e-01f, -4.07460451e-01f, -3.93906385e-01f, -3.81133258e-01f,
@@ -755,7 +755,7 @@ static const float kvq_sphere_d32_b7_thresholds[127] = {
     6.14237428e-01f
 };
 
-/* sphere_d32_b8: SphereMarginal(d=32), bits=8, mse=1.1727009228438457e-06 */
+/* sphere_d32_b8: SphereMarginal(d=32), bits=8, mse=1.1727009228438453e-06 */
 static const float kvq_sphere_d32_b8_levels[256] = {
     -6.87974513e-01f, -6.40040994e-01f, -6.08422101e-01f, -5.84072173e-01f, -5.63946962e-01f, -5.46619892e-01f,
     -5.31298578e-01f, -5.17493665e-01f, -5.04880190e-01f, -4.93230283e-01f, -4.82377768e-01f, -4.72197175e-01f,
@@ -847,7 +847,7 @@ static const float kvq_sphere_d32_b8_thresholds[255] = {
     5.96247137e-01f, 6.24231517e-01f, 6.64007783e-01f
 };
 
-/* sphere_d64_b1: SphereMarginal(d=64), bits=1, mse=0.005599802512151252 */
+/* sphere_d64_b1: SphereMarginal(d=64), bits=1, mse=0.005599802512151246 */
 static const float kvq_sphere_d64_b1_levels[2] = {
     -1.00125909e-01f, 1.00125909e-01f
 };
@@ -855,7 +855,7 @@ static const float kvq_sphere_d64_b1_thresholds[1] = {
     0.00000000e+00f
 };
 
-/* sphere_d64_b2: SphereMarginal(d=64), bits=2, mse=0.0017894649501379338 */
+/* sphere_d64_b2: SphereMarginal(d=64), bits=2, mse=0.001789464950137934 */
 static const float kvq_sphere_d64_b2_levels[4] = {
     -1.87496856e-01f, -5.65148704e-02f, 5.65148704e-02f, 1.87496856e-01f
 };
@@ -863,7 +863,7 @@ static const float kvq_sphere_d64_b2_thresholds[3] = {
     -1.22005858e-01f, 0.00000000e+00f, 1.22005858e-01f
 };
 
-/* sphere_d64_b3: SphereMarginal(d=64), bits=3, mse=0.0005217317827489522 */
+/* sphere_d64_b3: SphereMarginal(d=64), bits=3, mse=0.0005217317827489525 */
 static const float kvq_sphere_d64_b3_levels[8] = {
     -2.63913929e-01f, -1.66167855e-01f, -9.38322619e-02f, -3.04691792e-02f, 3.04691792e-02f, 9.38322619e-02f,
     1.66167855e-01f, 2.63913929e-01f
@@ -885,7 +885,7 @@ static const float kvq_sphere_d64_b4_thresholds[15] = {
     1.76890835e-01f, 2.25884929e-01f, 2.91855007e-01f
 };
 
-/* sphere_d64_b5: SphereMarginal(d=64), bits=5, mse=3.748792419282645e-05 */
+/* sphere_d64_b5: SphereMarginal(d=64), bits=5, mse=3.7487924192826444e-05 */
 static const float kvq_sphere_d64_b5_levels[32] = {
     -3.89434040e-01f, -3.24861467e-01f, -2.81536907e-01f, -2.47491688e-01f, -2.18730375e-01f, -1.93388268e-01f,
     -1.70430124e-01f, -1.49214417e-01f, -1.29311472e-01f, -1.10415712e-01f, -9.22990292e-02f, -7.47836977e-02f,
@@ -903,7 +903,7 @@ static const float kvq_sphere_d64_b5_thresholds[31] = {
     3.57147753e-01f
 };
 
-/* sphere_d64_b6: SphereMarginal(d=64), bits=6, mse=9.624420172301345e-06 */
+/* sphere_d64_b6: SphereMarginal(d=64), bits=6, mse=9.624420172301343e-06 */
 static const float kvq_sphere_d64_b6_levels[64] = {
     -4.41045284e-01f, -3.86068344e-01f, -3.49929035e-01f, -3.22051853e-01f, -2.98916489e-01f, -2.78886497e-01f,
     -2.61058420e-01f, -2.44877055e-01f, -2.29975000e-01f, -2.16095448e-01f, -2.03051239e-01f, -1.90701365e-01f,
@@ -931,7 +931,7 @@ static const float kvq_sphere_d64_b6_thresholds[63] = {
     3.35990429e-01f, 3.67998689e-01f, 4.13556814e-01f
 };
 
-/* sphere_d64_b7: SphereMarginal(d=64), bits=7, mse=2.4397678804283347e-06 */
+/* sphere_d64_b7: SphereMarginal(d=64), bits=7, mse=2.4397678804283364e-06 */
 static const float kvq_sphere_d64_b7_levels[128] = {
     -4.86725420e-01f, -4.39032614e-01f, -4.08100784e-01f, -3.84514540e-01f, -3.65145743e-01f, -3.48542690e-01f,
     -3.33905458e-01f, -3.20743293e-01f, -3.08732182e-01f, -2.97646165e-01f, -2.87320971e-01f, -2.77633250e-01f,
@@ -981,7 +981,7 @@ static const float kvq_sphere_d64_b7_thresholds[127] = {
     4.62879032e-01f
 };
 
-/* sphere_d64_b8: SphereMarginal(d=64), bits=8, mse=6.143247964760376e-07 */
+/* sphere_d64_b8: SphereMarginal(d=64), bits=8, mse=6.143247964760377e-07 */
 static const float kvq_sphere_d64_b8_levels[256] = {
     -5.27407289e-01f, -4.85459685e-01f, -4.58509296e-01f, -4.38118607e-01f, -4.21489120e-01f, -4.07324076e-01f,
     -3.94909829e-01f, -3.83809209e-01f, -3.73733729e-01f, -3.64482552e-01f, -3.55909854e-01f, -3.47906142e-01f,
@@ -1073,7 +1073,7 @@ static const float kvq_sphere_d64_b8_thresholds[255] = {
     4.48313951e-01f, 4.71984506e-01f, 5.06433487e-01f
 };
 
-/* sphere_d80_b1: SphereMarginal(d=80), bits=1, mse=0.00449236247971404 */
+/* sphere_d80_b1: SphereMarginal(d=80), bits=1, mse=0.0044923624797140365 */
 static const float kvq_sphere_d80_b1_levels[2] = {
     -8.94854069e-02f, 8.94854069e-02f
 };
@@ -1081,7 +1081,7 @@ static const float kvq_sphere_d80_b1_thresholds[1] = {
     0.00000000e+00f
 };
 
-/* sphere_d80_b2: SphereMarginal(d=80), bits=2, mse=0.0014389321692094988 */
+/* sphere_d80_b2: SphereMarginal(d=80), bits=2, mse=0.0014389321692095008 */
 static const float kvq_sphere_d80_b2_levels[4] = {
     -1.67935550e-01f, -5.05634882e-02f, 5.05634882e-02f, 1.67935550e-01f
 };
@@ -1089,7 +1089,7 @@ static const float kvq_sphere_d80_b2_thresholds[3] = {
     -1.09249517e-01f, 0.00000000e+00f, 1.09249517e-01f
 };
 
-/* sphere_d80_b3: SphereMarginal(d=80), bits=3, mse=0.0004202507298113983 */
+/* sphere_d80_b3: SphereMarginal(d=80), bits=3, mse=0.00042025072981139843 */
 static const float kvq_sphere_d80_b3_levels[8] = {
     -2.36949146e-01f, -1.48948818e-01f, -8.40455815e-02f, -2.72825174e-02f, 2.72825174e-02f, 8.40455815e-02f,
     1.48948818e-01f, 2.36949146e-01f
@@ -1099,7 +1099,7 @@ static const float kvq_sphere_d80_b3_thresholds[7] = {
     1.92948982e-01f
 };
 
-/* sphere_d80_b4: SphereMarginal(d=80), bits=4, mse=0.00011505589584398252 */
+/* sphere_d80_b4: SphereMarginal(d=80), bits=4, mse=0.00011505589584398253 */
 static const float kvq_sphere_d80_b4_levels[16] = {
     -2.97756970e-01f, -2.27217987e-01f, -1.78462982e-01f, -1.38942480e-01f, -1.04421057e-01f, -7.28669912e-02f,
     -4.30870987e-02f, -1.42616918e-02f, 1.42616918e-02f, 4.30870987e-02f, 7.28669912e-02f, 1.04421057e-01f,
@@ -1111,7 +1111,7 @@ static const float kvq_sphere_d80_b4_thresholds[15] = {
     1.58702731e-01f, 2.02840492e-01f, 2.62487471e-01f
 };
 
-/* sphere_d80_b5: SphereMarginal(d=80), bits=5, mse=3.0250043339295237e-05 */
+/* sphere_d80_b5: SphereMarginal(d=80), bits=5, mse=3.025004333929525e-05 */
 static const float kvq_sphere_d80_b5_levels[32] = {
     -3.51460457e-01f, -2.92572200e-01f, -2.53244877e-01f, -2.22433463e-01f, -1.96460620e-01f, -1.73613578e-01f,
     -1.52943030e-01f, -1.33861601e-01f, -1.15976334e-01f, -9.90081802e-02f, -8.27489868e-02f, -6.70367554e-02f,
@@ -1129,7 +1129,7 @@ static const float kvq_sphere_d80_b5_thresholds[31] = {
     3.22016329e-01f
 };
 
-/* sphere_d80_b6: SphereMarginal(d=80), bits=6, mse=7.769104797573952e-06 */
+/* sphere_d80_b6: SphereMarginal(d=80), bits=6, mse=7.769104797573956e-06 */
 static const float kvq_sphere_d80_b6_levels[64] = {
     -3.99097174e-01f, -3.48582178e-01f, -3.15539151e-01f, -2.90133446e-01f, -2.69100249e-01f, -2.50925094e-01f,
     -2.34773323e-01f, -2.20132738e-01f, -2.06664845e-01f, -1.94133341e-01f, -1.82366177e-01f, -1.71233833e-01f,
@@ -1157,7 +1157,7 @@ static const float kvq_sphere_d80_b6_thresholds[63] = {
     3.02836299e-01f, 3.32060665e-01f, 3.73839676e-01f
 };
 
-/* sphere_d80_b7: SphereMarginal(d=80), bits=7, mse=1.9698453075288784e-06 */
+/* sphere_d80_b7: SphereMarginal(d=80), bits=7, mse=1.969845307528879e-06 */
 static const float kvq_sphere_d80_b7_levels[128] = {
     -4.41602379e-01f, -3.97430897e-01f, -3.68929118e-01f, -3.47270250e-01f, -3.29530001e-01f, -3.14354271e-01f,
     -3.00998181e-01f, -2.89005548e-01f, -2.78075486e-01f, -2.67998457e-01f, -2.58622319e-01f, -2.49832943e-01f,
@@ -1207,7 +1207,7 @@ static const float kvq_sphere_d80_b7_thresholds[127] = {
     4.19516623e-01f
 };
 
-/* sphere_d80_b8: SphereMarginal(d=80), bits=8, mse=4.960523862588692e-07 */
+/* sphere_d80_b8: SphereMarginal(d=80), bits=8, mse=4.960523862588691e-07 */
 static const float kvq_sphere_d80_b8_levels[256] = {
     -4.79774415e-01f, -4.40601707e-01f, -4.15566027e-01f, -3.96691054e-01f, -3.81338984e-01f, -3.68290246e-01f,
     -3.56874883e-01f, -3.46683115e-01f, -3.37445050e-01f, -3.28972876e-01f, -3.21130395e-01f, -3.13815534e-01f,
@@ -1299,7 +1299,7 @@ static const float kvq_sphere_d80_b8_thresholds[255] = {
     4.06128556e-01f, 4.28083867e-01f, 4.60188061e-01f
 };
 
-/* sphere_d96_b1: SphereMarginal(d=96), bits=1, mse=0.003750582397929451 */
+/* sphere_d96_b1: SphereMarginal(d=96), bits=1, mse=0.0037505823979294517 */
 static const float kvq_sphere_d96_b1_levels[2] = {
     -8.16460922e-02f, 8.16460922e-02f
 };
@@ -1307,7 +1307,7 @@ static const float kvq_sphere_d96_b1_thresholds[1] = {
     0.00000000e+00f
 };
 
-/* sphere_d96_b2: SphereMarginal(d=96), bits=2, mse=0.0012032061779945087 */
+/* sphere_d96_b2: SphereMarginal(d=96), bits=2, mse=0.0012032061779945098 */
 static const float kvq_sphere_d96_b2_levels[4] = {
     -1.53445512e-01f, -4.61670272e-02f, 4.61670272e-02f, 1.53445512e-01f
 };
@@ -1315,7 +1315,7 @@ static const float kvq_sphere_d96_b2_thresholds[3] = {
     -9.98062715e-02f, 0.00000000e+00f, 9.98062715e-02f
 };
 
-/* sphere_d96_b3: SphereMarginal(d=96), bits=3, mse=0.0003518070502229056 */
+/* sphere_d96_b3: SphereMarginal(d=96), bits=3, mse=0.00035180705022290563 */
 static const float kvq_sphere_d96_b3_levels[8] = {
     -2.16852933e-01f, -1.36168584e-01f, -7.67954960e-02f, -2.49236897e-02f, 2.49236897e-02f, 7.67954960e-02f,
     1.36168584e-01f, 2.16852933e-01f
@@ -1325,7 +1325,7 @@ static const float kvq_sphere_d96_b3_thresholds[7] = {
     1.76510751e-01f
 };
 
-/* sphere_d96_b4: SphereMarginal(d=96), bits=4, mse=9.63892707913128e-05 */
+/* sphere_d96_b4: SphereMarginal(d=96), bits=4, mse=9.638927079131282e-05 */
 static const float kvq_sphere_d96_b4_levels[16] = {
     -2.72971153e-01f, -2.08036631e-01f, -1.63281098e-01f, -1.27064347e-01f, -9.54645947e-02f, -6.66032210e-02f,
     -3.93782184e-02f, -1.30332643e-02f, 1.30332643e-02f, 3.93782184e-02f, 6.66032210e-02f, 9.54645947e-02f,
@@ -1337,7 +1337,7 @@ static const float kvq_sphere_d96_b4_thresholds[15] = {
     1.45172730e-01f, 1.85658872e-01f, 2.40503892e-01f
 };
 
-/* sphere_d96_b5: SphereMarginal(d=96), bits=5, mse=2.535355106030231e-05 */
+/* sphere_d96_b5: SphereMarginal(d=96), bits=5, mse=2.535355106030232e-05 */
 static const float kvq_sphere_d96_b5_levels[32] = {
     -3.22775841e-01f, -2.68315971e-01f, -2.32058719e-01f, -2.03709587e-01f, -1.79847062e-01f, -1.58879757e-01f,
     -1.39926612e-01f, -1.22442991e-01f, -1.06064871e-01f, -9.05339420e-02f, -7.56576732e-02f, -6.12863004e-02f,
@@ -1355,7 +1355,7 @@ static const float kvq_sphere_d96_b5_thresholds[31] = {
     2.95545906e-01f
 };
 
-/* sphere_d96_b6: SphereMarginal(d=96), bits=6, mse=6.513162897025745e-06 */
+/* sphere_d96_b6: SphereMarginal(d=96), bits=6, mse=6.5131628970257466e-06 */
 static const float kvq_sphere_d96_b6_levels[64] = {
     -3.67184103e-01f, -3.20232660e-01f, -2.89621383e-01f, -2.66136587e-01f, -2.46725217e-01f, -2.29972959e-01f,
     -2.15101287e-01f, -2.01632947e-01f, -1.89252764e-01f, -1.77740887e-01f, -1.66937381e-01f, -1.56721920e-01f,
@@ -1383,7 +1383,7 @@ static const float kvq_sphere_d96_b6_thresholds[63] = {
     2.77879000e-01f, 3.04927021e-01f, 3.43708396e-01f
 };
 
-/* sphere_d96_b7: SphereMarginal(d=96), bits=7, mse=1.6516247191018023e-06 */
+/* sphere_d96_b7: SphereMarginal(d=96), bits=7, mse=1.6516247191018025e-06 */
 static const float kvq_sphere_d96_b7_levels[128] = {
     -4.07023638e-01f, -3.65749598e-01f, -3.39208007e-01f, -3.19084823e-01f, -3.02630782e-01f, -2.88574696e-01f,
     -2.76218146e-01f, -2.65133798e-01f, -2.55040079e-01f, -2.45741069e-01f, -2.37094581e-01f, -2.28993997e-01f,
@@ -1433,7 +1433,7 @@ static const float kvq_sphere_d96_b7_thresholds[127] = {
     3.86386633e-01f
 };
 
-/* sphere_d96_b8: SphereMarginal(d=96), bits=8, mse=4.159464801816237e-07 */
+/* sphere_d96_b8: SphereMarginal(d=96), bits=8, mse=4.1594648018162367e-07 */
 static const float kvq_sphere_d96_b8_levels[256] = {
     -4.43002105e-01f, -4.06196237e-01f, -3.82755369e-01f, -3.65124524e-01f, -3.50810051e-01f, -3.38660717e-01f,
     -3.28044951e-01f, -3.18576872e-01f, -3.10002446e-01f, -3.02145153e-01f, -2.94877082e-01f, -2.88102388e-01f,
@@ -1525,7 +1525,7 @@ static const float kvq_sphere_d96_b8_thresholds[255] = {
     3.73939961e-01f, 3.94475818e-01f, 4.24599171e-01f
 };
 
-/* sphere_d128_b1: SphereMarginal(d=128), bits=1, mse=0.0028194421381790204 */
+/* sphere_d128_b1: SphereMarginal(d=128), bits=1, mse=0.002819442138179018 */
 static const float kvq_sphere_d128_b1_levels[2] = {
     -7.06615746e-02f, 7.06615746e-02f
 };
@@ -1533,7 +1533,7 @@ static const float kvq_sphere_d128_b1_thresholds[1] = {
     0.00000000e+00f
 };
 
-/* sphere_d128_b2: SphereMarginal(d=128), bits=2, mse=0.0009062505490243346 */
+/* sphere_d128_b2: SphereMarginal(d=128), bits=2, mse=0.0009062505490243354 */
 static const float kvq_sphere_d128_b2_levels[4] = {
     -1.33041516e-01f, -3.99915949e-02f, 3.99915949e-02f, 1.33041516e-01f
 };
@@ -1541,7 +1541,7 @@ static const float kvq_sphere_d128_b2_thresholds[3] = {
     -8.65165591e-02f, 0.00000000e+00f, 8.65165591e-02f
 };
 
-/* sphere_d128_b3: SphereMarginal(d=128), bits=3, mse=0.00026535879526486036 */
+/* sphere_d128_b3: SphereMarginal(d=128), bits=3, mse=0.0002653587952648603 */
 static const float kvq_sphere_d128_b3_levels[8] = {
     -1.88397184e-01f, -1.18139766e-01f, -6.65856078e-02f, -2.16043107e-02f, 2.16043107e-02f, 6.65856078e-02f,
     1.18139766e-01f, 1.88397184e-01f
@@ -1551,7 +1551,7 @@ static const float kvq_sphere_d128_b3_thresholds[7] = {
     1.53268471e-01f
 };
 
-/* sphere_d128_b4: SphereMarginal(d=128), bits=4, mse=7.277178088903197e-05 */
+/* sphere_d128_b4: SphereMarginal(d=128), bits=4, mse=7.2771780889032e-05 */
 static const float kvq_sphere_d128_b4_levels[16] = {
     -2.37663820e-01f, -1.80835962e-01f, -1.41805202e-01f, -1.10288367e-01f, -8.28284547e-02f, -5.77722974e-02f,
     -3.41515690e-02f, -1.13024963e-02f, 1.13024963e-02f, 3.41515690e-02f, 5.77722974e-02f, 8.28284547e-02f,
@@ -1563,7 +1563,7 @@ static const float kvq_sphere_d128_b4_thresholds[15] = {
     1.26046777e-01f, 1.61320582e-01f, 2.09249899e-01f
 };
 
-/* sphere_d128_b5: SphereMarginal(d=128), bits=5, mse=1.9152032462866107e-05 */
+/* sphere_d128_b5: SphereMarginal(d=128), bits=5, mse=1.915203246286611e-05 */
 static const float kvq_sphere_d128_b5_levels[32] = {
     -2.81656414e-01f, -2.33719245e-01f, -2.01928198e-01f, -1.77133545e-01f, -1.56301007e-01f, -1.38021618e-01f,
     -1.21516459e-01f, -1.06304623e-01f, -9.20650139e-02f, -7.85700008e-02f, -6.56500980e-02f, -5.31735532e-02f,
@@ -1581,7 +1581,7 @@ static const float kvq_sphere_d128_b5_thresholds[31] = {
     2.57687837e-01f
 };
 
-/* sphere_d128_b6: SphereMarginal(d=128), bits=6, mse=4.921568600618835e-06 */
+/* sphere_d128_b6: SphereMarginal(d=128), bits=6, mse=4.921568600618832e-06 */
 static const float kvq_sphere_d128_b6_levels[64] = {
     -3.21138173e-01f, -2.79549152e-01f, -2.52545178e-01f, -2.31884301e-01f, -2.14841709e-01f, -2.00157315e-01f,
     -1.87138543e-01f, -1.75361291e-01f, -1.64545834e-01f, -1.54497221e-01f, -1.45073757e-01f, -1.36168897e-01f,
@@ -1609,7 +1609,7 @@ static const float kvq_sphere_d128_b6_thresholds[63] = {
     2.42214739e-01f, 2.66047180e-01f, 3.00343663e-01f
 };
 
-/* sphere_d128_b7: SphereMarginal(d=128), bits=7, mse=1.2482339804640684e-06 */
+/* sphere_d128_b7: SphereMarginal(d=128), bits=7, mse=1.2482339804640688e-06 */
 static const float kvq_sphere_d128_b7_levels[128] = {
     -3.56798947e-01f, -3.19994748e-01f, -2.96428055e-01f, -2.78611422e-01f, -2.64074773e-01f, -2.51678050e-01f,
     -2.40795821e-01f, -2.31045917e-01f, -2.22176790e-01f, -2.14013577e-01f, -2.06429496e-01f, -1.99329585e-01f,
@@ -1659,7 +1659,7 @@ static const float kvq_sphere_d128_b7_thresholds[127] = {
     3.38396847e-01f
 };
 
-/* sphere_d128_b8: SphereMarginal(d=128), bits=8, mse=3.143840269727906e-07 */
+/* sphere_d128_b8: SphereMarginal(d=128), bits=8, mse=3.1438402697279053e-07 */
 static const float kvq_sphere_d128_b8_levels[256] = {
     -3.89229536e-01f, -3.56181800e-01f, -3.35226089e-01f, -3.19510967e-01f, -3.06780398e-01f, -2.95994878e-01f,
     -2.86584973e-01f, -2.78203219e-01f, -2.70621121e-01f, -2.63680100e-01f, -2.57265329e-01f, -2.51290858e-01f,
@@ -1751,7 +1751,7 @@ static const float kvq_sphere_d128_b8_thresholds[255] = {
     3.27368528e-01f, 3.45703959e-01f, 3.72705668e-01f
 };
 
-/* sphere_d192_b1: SphereMarginal(d=192), bits=1, mse=0.0018839594302314643 */
+/* sphere_d192_b1: SphereMarginal(d=192), bits=1, mse=0.0018839594302314656 */
 static const float kvq_sphere_d192_b1_levels[2] = {
     -5.76573834e-02f, 5.76573834e-02f
 };
@@ -1767,7 +1767,7 @@ static const float kvq_sphere_d192_b2_thresholds[3] = {
     -7.07072541e-02f, 0.00000000e+00f, 7.07072541e-02f
 };
 
-/* sphere_d192_b3: SphereMarginal(d=192), bits=3, mse=0.00017791210453404967 */
+/* sphere_d192_b3: SphereMarginal(d=192), bits=3, mse=0.00017791210453404978 */
 static const float kvq_sphere_d192_b3_levels[8] = {
     -1.54315665e-01f, -9.66361389e-02f, -5.44312522e-02f, -1.76559649e-02f, 1.76559649e-02f, 5.44312522e-02f,
     9.66361389e-02f, 1.54315665e-01f
@@ -1777,7 +1777,7 @@ static const float kvq_sphere_d192_b3_thresholds[7] = {
     1.25475898e-01f
 };
 
-/* sphere_d192_b4: SphereMarginal(d=192), bits=4, mse=4.883611292484405e-05 */
+/* sphere_d192_b4: SphereMarginal(d=192), bits=4, mse=4.8836112924844055e-05 */
 static const float kvq_sphere_d192_b4_levels[16] = {
     -1.95093602e-01f, -1.48203596e-01f, -1.16111428e-01f, -9.02528539e-02f, -6.77549690e-02f, -4.72463034e-02f,
     -2.79247146e-02f, -9.24099796e-03f, 9.24099796e-03f, 2.79247146e-02f, 4.72463034e-02f, 6.77549690e-02f,
@@ -1789,7 +1789,7 @@ static const float kvq_sphere_d192_b4_thresholds[15] = {
     1.03182137e-01f, 1.32157519e-01f, 1.71648607e-01f
 };
 
-/* sphere_d192_b5: SphereMarginal(d=192), bits=5, mse=1.285983215085016e-05 */
+/* sphere_d192_b5: SphereMarginal(d=192), bits=5, mse=1.2859832150850164e-05 */
 static const float kvq_sphere_d192_b5_levels[32] = {
     -2.31730431e-01f, -1.91946298e-01f, -1.65664449e-01f, -1.45218149e-01f, -1.28070503e-01f, -1.13045499e-01f,
     -9.94939208e-02f, -8.70154202e-02f, -7.53429979e-02f, -6.42875507e-02f, -5.37083931e-02f, -4.34962772e-02f,
@@ -1807,7 +1807,7 @@ static const float kvq_sphere_d192_b5_thresholds[31] = {
     2.11838365e-01f
 };
 
-/* sphere_d192_b6: SphereMarginal(d=192), bits=6, mse=3.3056726473656675e-06 */
+/* sphere_d192_b6: SphereMarginal(d=192), bits=6, mse=3.305672647365667e-06 */
 static const float kvq_sphere_d192_b6_levels[64] = {
     -2.64825672e-01f, -2.30091304e-01f, -2.07630500e-01f, -1.90492496e-01f, -1.76384583e-01f, -1.64248362e-01f,
     -1.53502926e-01f, -1.43793017e-01f, -1.34884566e-01f, -1.26614586e-01f, -1.18864737e-01f, -1.11546092e-01f,
@@ -1835,7 +1835,7 @@ static const float kvq_sphere_d192_b6_thresholds[63] = {
     1.99061498e-01f, 2.18860909e-01f, 2.47458488e-01f
 };
 
-/* sphere_d192_b7: SphereMarginal(d=192), bits=7, mse=8.385432968547953e-07 */
+/* sphere_d192_b7: SphereMarginal(d=192), bits=7, mse=8.385432968547952e-07 */
 static const float kvq_sphere_d192_b7_levels[128] = {
     -2.94921696e-01f, -2.63977647e-01f, -2.44247451e-01f, -2.29373917e-01f, -2.17264727e-01f, -2.06955969e-01f,
     -1.97919607e-01f, -1.89833418e-01f, -1.82485536e-01f, -1.75728798e-01f, -1.69456691e-01f, -1.63589403e-01f,
@@ -1885,7 +1885,7 @@ static const float kvq_sphere_d192_b7_thresholds[127] = {
     2.79449672e-01f
 };
 
-/* sphere_d192_b8: SphereMarginal(d=192), bits=8, mse=2.1121678262864428e-07 */
+/* sphere_d192_b8: SphereMarginal(d=192), bits=8, mse=2.112167826286441e-07 */
 static const float kvq_sphere_d192_b8_levels[256] = {
     -3.22483897e-01f, -2.94504881e-01f, -2.76840419e-01f, -2.63632536e-01f, -2.52957046e-01f, -2.43928939e-01f,
     -2.36064181e-01f, -2.29067773e-01f, -2.22746029e-01f, -2.16964588e-01f, -2.11626291e-01f, -2.06658453e-01f,
@@ -1977,7 +1977,7 @@ static const float kvq_sphere_d192_b8_thresholds[255] = {
     2.70236492e-01f, 2.85672665e-01f, 3.08494389e-01f
 };
 
-/* sphere_d256_b1: SphereMarginal(d=256), bits=1, mse=0.0014145922568788772 */
+/* sphere_d256_b1: SphereMarginal(d=256), bits=1, mse=0.0014145922568788755 */
 static const float kvq_sphere_d256_b1_levels[2] = {
     -4.99165095e-02f, 4.99165095e-02f
 };
@@ -1985,7 +1985,7 @@ static const float kvq_sphere_d256_b1_thresholds[1] = {
     0.00000000e+00f
 };
 
-/* sphere_d256_b2: SphereMarginal(d=256), bits=2, mse=0.00045601577651931027 */
+/* sphere_d256_b2: SphereMarginal(d=256), bits=2, mse=0.0004560157765193102 */
 static const float kvq_sphere_d256_b2_levels[4] = {
     -9.42377821e-02f, -2.82885991e-02f, 2.82885991e-02f, 9.42377821e-02f
 };
@@ -1993,7 +1993,7 @@ static const float kvq_sphere_d256_b2_thresholds[3] = {
     -6.12631887e-02f, 0.00000000e+00f, 6.12631887e-02f
 };
 
-/* sphere_d256_b3: SphereMarginal(d=256), bits=3, mse=0.00013381251406696394 */
+/* sphere_d256_b3: SphereMarginal(d=256), bits=3, mse=0.00013381251406696388 */
 static const float kvq_sphere_d256_b3_levels[8] = {
     -1.33854285e-01f, -8.37654546e-02f, -4.71667089e-02f, -1.52974874e-02f, 1.52974874e-02f, 4.71667089e-02f,
     8.37654546e-02f, 1.33854285e-01f
@@ -2003,7 +2003,7 @@ static const float kvq_sphere_d256_b3_thresholds[7] = {
     1.08809873e-01f
 };
 
-/* sphere_d256_b4: SphereMarginal(d=256), bits=4, mse=3.6748161833164695e-05 */
+/* sphere_d256_b4: SphereMarginal(d=256), bits=4, mse=3.674816183316468e-05 */
 static const float kvq_sphere_d256_b4_levels[16] = {
     -1.69410437e-01f, -1.28588200e-01f, -1.00698009e-01f, -7.82493129e-02f, -5.87321073e-02f, -4.09491956e-02f,
     -2.42008772e-02f, -8.00837390e-03f, 8.00837390e-03f, 2.42008772e-02f, 4.09491956e-02f, 5.87321073e-02f,
@@ -2015,7 +2015,7 @@ static const float kvq_sphere_d256_b4_thresholds[15] = {
     8.94736573e-02f, 1.14643104e-01f, 1.48999318e-01f
 };
 
-/* sphere_d256_b5: SphereMarginal(d=256), bits=5, mse=9.679461874811804e-06 */
+/* sphere_d256_b5: SphereMarginal(d=256), bits=5, mse=9.679461874811797e-06 */
 static const float kvq_sphere_d256_b5_levels[32] = {
     -2.01454118e-01f, -1.66717410e-01f, -1.43814445e-01f, -1.26019284e-01f, -1.11108728e-01f, -9.80530828e-02f,
     -8.62843022e-02f, -7.54523054e-02f, -6.53237402e-02f, -5.57334274e-02f, -4.65585291e-02f, -3.77036892e-02f,
@@ -2033,7 +2033,7 @@ static const float kvq_sphere_d256_b5_thresholds[31] = {
     1.84085757e-01f
 };
 
-/* sphere_d256_b6: SphereMarginal(d=256), bits=6, mse=2.4885353524677256e-06 */
+/* sphere_d256_b6: SphereMarginal(d=256), bits=6, mse=2.488535352467723e-06 */
 static const float kvq_sphere_d256_b6_levels[64] = {
     -2.30494857e-01f, -2.00071082e-01f, -1.80438042e-01f, -1.65478125e-01f, -1.53175756e-01f, -1.42601281e-01f,
     -1.33244827e-01f, -1.24794744e-01f, -1.17045842e-01f, -1.09855287e-01f, -1.03119425e-01f, -9.67604071e-02f,
@@ -2061,7 +2061,7 @@ static const float kvq_sphere_d256_b6_thresholds[63] = {
     1.72958076e-01f, 1.90254569e-01f, 2.15282962e-01f
 };
 
-/* sphere_d256_b7: SphereMarginal(d=256), bits=7, mse=6.313150089561889e-07 */
+/* sphere_d256_b7: SphereMarginal(d=256), bits=7, mse=6.313150089561883e-07 */
 static const float kvq_sphere_d256_b7_levels[128] = {
     -2.56993800e-01f, -2.29799151e-01f, -2.12496415e-01f, -1.99471474e-01f, -1.88878775e-01f, -1.79868832e-01f,
     -1.71976656e-01f, -1.64918676e-01f, -1.58508539e-01f, -1.52616888e-01f, -1.47150099e-01f, -1.42038077e-01f,
@@ -2111,7 +2111,7 @@ static const float kvq_sphere_d256_b7_thresholds[127] = {
     2.43396476e-01f
 };
 
-/* sphere_d256_b8: SphereMarginal(d=256), bits=8, mse=1.5902605966953009e-07 */
+/* sphere_d256_b8: SphereMarginal(d=256), bits=8, mse=1.5902605966952993e-07 */
 static const float kvq_sphere_d256_b8_levels[256] = {
     -2.81346917e-01f, -2.56672531e-01f, -2.41128296e-01f, -2.29522869e-01f, -2.20153123e-01f, -2.12236419e-01f,
     -2.05345050e-01f, -1.99218541e-01f, -1.93685934e-01f, -1.88628748e-01f, -1.83961272e-01f, -1.79619476e-01f,
@@ -2203,7 +2203,7 @@ static const float kvq_sphere_d256_b8_thresholds[255] = {
     2.35325590e-01f, 2.48900414e-01f, 2.69009739e-01f
 };
 
-/* sphere_d576_b1: SphereMarginal(d=576), bits=1, mse=0.0006299086226695508 */
+/* sphere_d576_b1: SphereMarginal(d=576), bits=1, mse=0.0006299086226695509 */
 static const float kvq_sphere_d576_b1_levels[2] = {
     -3.32596228e-02f, 3.32596228e-02f
 };
@@ -2211,7 +2211,7 @@ static const float kvq_sphere_d576_b1_thresholds[1] = {
     0.00000000e+00f
 };
 
-/* sphere_d576_b2: SphereMarginal(d=576), bits=2, mse=0.00020338876622562403 */
+/* sphere_d576_b2: SphereMarginal(d=576), bits=2, mse=0.0002033887662256241 */
 static const float kvq_sphere_d576_b2_levels[4] = {
     -6.28856719e-02f, -1.88628361e-02f, 1.88628361e-02f, 6.28856719e-02f
 };
@@ -2219,7 +2219,7 @@ static const float kvq_sphere_d576_b2_thresholds[3] = {
     -4.08742540e-02f, 0.00000000e+00f, 4.08742540e-02f
 };
 
-/* sphere_d576_b3: SphereMarginal(d=576), bits=3, mse=5.975327088554726e-05 */
+/* sphere_d576_b3: SphereMarginal(d=576), bits=3, mse=5.9753270885547285e-05 */
 static const float kvq_sphere_d576_b3_levels[8] = {
     -8.94736797e-02f, -5.59283346e-02f, -3.14754397e-02f, -1.02060679e-02f, 1.02060679e-02f, 3.14754397e-02f,
     5.59283346e-02f, 8.94736797e-02f
@@ -2229,7 +2229,7 @@ static const float kvq_sphere_d576_b3_thresholds[7] = {
     7.27010071e-02f
 };
 
-/* sphere_d576_b4: SphereMarginal(d=576), bits=4, mse=1.6422519104399802e-05 */
+/* sphere_d576_b4: SphereMarginal(d=576), bits=4, mse=1.6422519104399805e-05 */
 static const float kvq_sphere_d576_b4_levels[16] = {
     -1.13448441e-01f, -8.59935060e-02f, -6.72909543e-02f, -5.22642881e-02f, -3.92154902e-02f, -2.73358338e-02f,
     -1.61532238e-02f, -5.34495758e-03f, 5.34495758e-03f, 1.61532238e-02f, 2.73358338e-02f, 3.92154902e-02f,
@@ -2241,7 +2241,7 @@ static const float kvq_sphere_d576_b4_thresholds[15] = {
     5.97776175e-02f, 7.66422302e-02f, 9.97209698e-02f
 };
 
-/* sphere_d576_b5: SphereMarginal(d=576), bits=5, mse=4.327708235937673e-06 */
+/* sphere_d576_b5: SphereMarginal(d=576), bits=5, mse=4.327708235937672e-06 */
 static const float kvq_sphere_d576_b5_levels[32] = {
     -1.35165974e-01f, -1.11690141e-01f, -9.62618515e-02f, -8.42995867e-02f, -7.42917359e-02f, -6.55391887e-02f,
     -5.76567017e-02f, -5.04071079e-02f, -4.36324701e-02f, -3.72210629e-02f, -3.10898814e-02f, -2.51745284e-02f,
@@ -2259,7 +2259,7 @@ static const float kvq_sphere_d576_b5_thresholds[31] = {
     1.23428054e-01f
 };
 
-/* sphere_d576_b6: SphereMarginal(d=576), bits=6, mse=1.1129205866858495e-06 */
+/* sphere_d576_b6: SphereMarginal(d=576), bits=6, mse=1.112920586685849e-06 */
 static const float kvq_sphere_d576_b6_levels[64] = {
     -1.54955789e-01f, -1.34285748e-01f, -1.20992504e-01f, -1.10886432e-01f, -1.02589794e-01f, -9.54680368e-02f,
     -8.91735554e-02f, -8.34941342e-02f, -7.82901421e-02f, -7.34644756e-02f, -6.89467043e-02f, -6.46839812e-02f,
@@ -2287,7 +2287,7 @@ static const float kvq_sphere_d576_b6_thresholds[63] = {
     1.15939468e-01f, 1.27639130e-01f, 1.44620761e-01f
 };
 
-/* sphere_d576_b7: SphereMarginal(d=576), bits=7, mse=2.823759091707978e-07 */
+/* sphere_d576_b7: SphereMarginal(d=576), bits=7, mse=2.823759091707977e-07 */
 static const float kvq_sphere_d576_b7_levels[128] = {
     -1.73116267e-01f, -1.54536650e-01f, -1.42757013e-01f, -1.33910835e-01f, -1.26729548e-01f, -1.20630100e-01f,
     -1.15293771e-01f, -1.10526361e-01f, -1.06200404e-01f, -1.02227479e-01f, -9.85436365e-02f, -9.51010287e-02f,
@@ -2337,7 +2337,7 @@ static const float kvq_sphere_d576_b7_thresholds[127] = {
     1.63826466e-01f
 };
 
-/* sphere_d576_b8: SphereMarginal(d=576), bits=8, mse=7.113477182651778e-08 */
+/* sphere_d576_b8: SphereMarginal(d=576), bits=8, mse=7.113477182651774e-08 */
 static const float kvq_sphere_d576_b8_levels[256] = {
     -1.89903975e-01f, -1.72948286e-01f, -1.62305221e-01f, -1.54378578e-01f, -1.47990882e-01f, -1.42601922e-01f,
     -1.37916818e-01f, -1.33756205e-01f, -1.30002484e-01f, -1.26574188e-01f, -1.23412460e-01f, -1.20473355e-01f,
@@ -2437,7 +2437,7 @@ static const float kvq_sphere_d1024_b1_thresholds[1] = {
     0.00000000e+00f
 };
 
-/* sphere_d1024_b2: SphereMarginal(d=1024), bits=2, mse=0.00011454709416927727 */
+/* sphere_d1024_b2: SphereMarginal(d=1024), bits=2, mse=0.00011454709416927723 */
 static const float kvq_sphere_d1024_b2_levels[4] = {
     -4.71801311e-02f, -1.41481124e-02f, 1.41481124e-02f, 4.71801311e-02f
 };
@@ -2445,7 +2445,7 @@ static const float kvq_sphere_d1024_b2_thresholds[3] = {
     -3.06641217e-02f, 0.00000000e+00f, 3.06641217e-02f
 };
 
-/* sphere_d1024_b3: SphereMarginal(d=1024), bits=3, mse=3.3666664473714454e-05 */
+/* sphere_d1024_b3: SphereMarginal(d=1024), bits=3, mse=3.366666447371445e-05 */
 static const float kvq_sphere_d1024_b3_levels[8] = {
     -6.71677813e-02f, -4.19685170e-02f, -2.36147102e-02f, -7.65658263e-03f, 7.65658263e-03f, 2.36147102e-02f,
     4.19685170e-02f, 6.71677813e-02f
@@ -2467,7 +2467,7 @@ static const float kvq_sphere_d1024_b4_thresholds[15] = {
     4.48670350e-02f, 5.75379096e-02f, 7.48931020e-02f
 };
 
-/* sphere_d1024_b5: SphereMarginal(d=1024), bits=5, mse=2.43941790993096e-06 */
+/* sphere_d1024_b5: SphereMarginal(d=1024), bits=5, mse=2.4394179099309603e-06 */
 static const float kvq_sphere_d1024_b5_levels[32] = {
     -1.01602867e-01f, -8.39116275e-02f, -7.22981319e-02f, -6.33002967e-02f, -5.57765812e-02f, -4.91992868e-02f,
     -4.32777591e-02f, -3.78331132e-02f, -3.27462666e-02f, -2.79330090e-02f, -2.33307835e-02f, -1.88910775e-02f,
@@ -2485,7 +2485,7 @@ static const float kvq_sphere_d1024_b5_thresholds[31] = {
     9.27572474e-02f
 };
 
-/* sphere_d1024_b6: SphereMarginal(d=1024), bits=6, mse=6.273822387670515e-07 */
+/* sphere_d1024_b6: SphereMarginal(d=1024), bits=6, mse=6.273822387670516e-07 */
 static const float kvq_sphere_d1024_b6_levels[64] = {
     -1.16559669e-01f, -1.00953951e-01f, -9.09296572e-02f, -8.33148658e-02f, -7.70671815e-02f, -7.17067569e-02f,
     -6.69708550e-02f, -6.26991168e-02f, -5.87860495e-02f, -5.51583543e-02f, -5.17628416e-02f, -4.85596284e-02f,
@@ -2513,7 +2513,7 @@ static const float kvq_sphere_d1024_b6_thresholds[63] = {
     8.71222615e-02f, 9.59418043e-02f, 1.08756810e-01f
 };
 
-/* sphere_d1024_b7: SphereMarginal(d=1024), bits=7, mse=1.591904888457606e-07 */
+/* sphere_d1024_b7: SphereMarginal(d=1024), bits=7, mse=1.5919048884576053e-07 */
 static const float kvq_sphere_d1024_b7_levels[128] = {
     -1.30312353e-01f, -1.16257422e-01f, -1.07357487e-01f, -1.00679465e-01f, -9.52617005e-02f, -9.06624421e-02f,
     -8.66402984e-02f, -8.30482692e-02f, -7.97898620e-02f, -7.67981932e-02f, -7.40248859e-02f, -7.14337602e-02f,
@@ -2563,7 +2563,7 @@ static const float kvq_sphere_d1024_b7_thresholds[127] = {
     1.23284891e-01f
 };
 
-/* sphere_d1024_b8: SphereMarginal(d=1024), bits=8, mse=4.010353589258202e-08 */
+/* sphere_d1024_b8: SphereMarginal(d=1024), bits=8, mse=4.010353589258199e-08 */
 static const float kvq_sphere_d1024_b8_levels[256] = {
     -1.43051505e-01f, -1.30198970e-01f, -1.22141637e-01f, -1.16145939e-01f, -1.11317463e-01f, -1.07246086e-01f,
     -1.03708036e-01f, -1.00567259e-01f, -9.77345705e-02f, -9.51482281e-02f, -9.27636176e-02f, -9.05474350e-02f,
@@ -2656,110 +2656,110 @@ static const float kvq_sphere_d1024_b8_thresholds[255] = {
 };
 
 static const kvq_table_t kvq_tables[KVQ_TABLES_COUNT] = {
-    {"gaussian_b1", "gaussian", 1.0, 1, 2, kvq_gaussian_b1_levels, kvq_gaussian_b1_thresholds, 0.36338022763241845},
-    {"gaussian_b2", "gaussian", 1.0, 2, 4, kvq_gaussian_b2_levels, kvq_gaussian_b2_thresholds, 0.11748184782932913},
-    {"gaussian_b3", "gaussian", 1.0, 3, 8, kvq_gaussian_b3_levels, kvq_gaussian_b3_thresholds, 0.03454776078850372},
+    {"gaussian_b1", "gaussian", 1.0, 1, 2, kvq_gaussian_b1_levels, kvq_gaussian_b1_thresholds, 0.3633802276324187},
+    {"gaussian_b2", "gaussian", 1.0, 2, 4, kvq_gaussian_b2_levels, kvq_gaussian_b2_thresholds, 0.11748184782932929},
+    {"gaussian_b3", "gaussian", 1.0, 3, 8, kvq_gaussian_b3_levels, kvq_gaussian_b3_thresholds, 0.03454776078850373},
     {"gaussian_b4", "gaussian", 1.0, 4, 16, kvq_gaussian_b4_levels, kvq_gaussian_b4_thresholds, 0.009501008008191886},
-    {"gaussian_b5", "gaussian", 1.0, 5, 32, kvq_gaussian_b5_levels, kvq_gaussian_b5_thresholds, 0.0025046683556747998},
-    {"gaussian_b6", "gaussian", 1.0, 6, 64, kvq_gaussian_b6_levels, kvq_gaussian_b6_thresholds, 0.0006442396653172621},
-    {"gaussian_b7", "gaussian", 1.0, 7, 128, kvq_gaussian_b7_levels, kvq_gaussian_b7_thresholds, 0.00016347822998023684},
-    {"gaussian_b8", "gaussian", 1.0, 8, 256, kvq_gaussian_b8_levels, kvq_gaussian_b8_thresholds, 4.118508286711747e-05},
-    {"polar_l1_b1", "polar", 1.0, 1, 2, kvq_polar_l1_b1_levels, kvq_polar_l1_b1_thresholds, 0.8224670334241131},
-    {"polar_l1_b2", "polar", 1.0, 2, 4, kvq_polar_l1_b2_levels, kvq_polar_l1_b2_thresholds, 0.20561675835602836},
-    {"polar_l1_b3", "polar", 1.0, 3, 8, kvq_polar_l1_b3_levels, kvq_polar_l1_b3_thresholds, 0.05140418958900708},
-    {"polar_l1_b4", "polar", 1.0, 4, 16, kvq_polar_l1_b4_levels, kvq_polar_l1_b4_thresholds, 0.012851047397251774},
-    {"polar_l2_b1", "polar", 2.0, 1, 2, kvq_polar_l2_b1_levels, kvq_polar_l2_b1_thresholds, 0.03539816339744832},
+    {"gaussian_b5", "gaussian", 1.0, 5, 32, kvq_gaussian_b5_levels, kvq_gaussian_b5_thresholds, 0.0025046683556747993},
+    {"gaussian_b6", "gaussian", 1.0, 6, 64, kvq_gaussian_b6_levels, kvq_gaussian_b6_thresholds, 0.0006442396653172622},
+    {"gaussian_b7", "gaussian", 1.0, 7, 128, kvq_gaussian_b7_levels, kvq_gaussian_b7_thresholds, 0.00016347822998023678},
+    {"gaussian_b8", "gaussian", 1.0, 8, 256, kvq_gaussian_b8_levels, kvq_gaussian_b8_thresholds, 4.1185082867117485e-05},
+    {"polar_l1_b1", "polar", 1.0, 1, 2, kvq_polar_l1_b1_levels, kvq_polar_l1_b1_thresholds, 0.8224670334241132},
+    {"polar_l1_b2", "polar", 1.0, 2, 4, kvq_polar_l1_b2_levels, kvq_polar_l1_b2_thresholds, 0.2056167583560283},
+    {"polar_l1_b3", "polar", 1.0, 3, 8, kvq_polar_l1_b3_levels, kvq_polar_l1_b3_thresholds, 0.051404189589007075},
+    {"polar_l1_b4", "polar", 1.0, 4, 16, kvq_polar_l1_b4_levels, kvq_polar_l1_b4_thresholds, 0.012851047397251769},
+    {"polar_l2_b1", "polar", 2.0, 1, 2, kvq_polar_l2_b1_levels, kvq_polar_l2_b1_thresholds, 0.03539816339744831},
     {"polar_l2_b2", "polar", 2.0, 2, 4, kvq_polar_l2_b2_levels, kvq_polar_l2_b2_thresholds, 0.00990924229387495},
-    {"polar_l2_b3", "polar", 2.0, 3, 8, kvq_polar_l2_b3_levels, kvq_polar_l2_b3_thresholds, 0.0026363423289553945},
-    {"polar_l2_b4", "polar", 2.0, 4, 16, kvq_polar_l2_b4_levels, kvq_polar_l2_b4_thresholds, 0.0006810410400333335},
-    {"polar_l3_b1", "polar", 3.0, 1, 2, kvq_polar_l3_b1_levels, kvq_polar_l3_b1_thresholds, 0.020464523963689682},
+    {"polar_l2_b3", "polar", 2.0, 3, 8, kvq_polar_l2_b3_levels, kvq_polar_l2_b3_thresholds, 0.0026363423289553953},
+    {"polar_l2_b4", "polar", 2.0, 4, 16, kvq_polar_l2_b4_levels, kvq_polar_l2_b4_thresholds, 0.0006810410400333332},
+    {"polar_l3_b1", "polar", 3.0, 1, 2, kvq_polar_l3_b1_levels, kvq_polar_l3_b1_thresholds, 0.020464523963689696},
     {"polar_l3_b2", "polar", 3.0, 2, 4, kvq_polar_l3_b2_levels, kvq_polar_l3_b2_thresholds, 0.006161797063981604},
-    {"polar_l3_b3", "polar", 3.0, 3, 8, kvq_polar_l3_b3_levels, kvq_polar_l3_b3_thresholds, 0.0017195281233129398},
-    {"polar_l3_b4", "polar", 3.0, 4, 16, kvq_polar_l3_b4_levels, kvq_polar_l3_b4_thresholds, 0.00045692137228950424},
-    {"polar_l4_b1", "polar", 4.0, 1, 2, kvq_polar_l4_b1_levels, kvq_polar_l4_b1_thresholds, 0.010857452611666702},
-    {"polar_l4_b2", "polar", 4.0, 2, 4, kvq_polar_l4_b2_levels, kvq_polar_l4_b2_thresholds, 0.0033933731873445226},
-    {"polar_l4_b3", "polar", 4.0, 3, 8, kvq_polar_l4_b3_levels, kvq_polar_l4_b3_thresholds, 0.000972945516398531},
-    {"polar_l4_b4", "polar", 4.0, 4, 16, kvq_polar_l4_b4_levels, kvq_polar_l4_b4_thresholds, 0.0002630991788020892},
-    {"sphere_d16_b1", "sphere", 16.0, 1, 2, kvq_sphere_d16_b1_levels, kvq_sphere_d16_b1_thresholds, 0.021449065495836583},
+    {"polar_l3_b3", "polar", 3.0, 3, 8, kvq_polar_l3_b3_levels, kvq_polar_l3_b3_thresholds, 0.0017195281233129392},
+    {"polar_l3_b4", "polar", 3.0, 4, 16, kvq_polar_l3_b4_levels, kvq_polar_l3_b4_thresholds, 0.0004569213722895042},
+    {"polar_l4_b1", "polar", 4.0, 1, 2, kvq_polar_l4_b1_levels, kvq_polar_l4_b1_thresholds, 0.010857452611666716},
+    {"polar_l4_b2", "polar", 4.0, 2, 4, kvq_polar_l4_b2_levels, kvq_polar_l4_b2_thresholds, 0.003393373187344524},
+    {"polar_l4_b3", "polar", 4.0, 3, 8, kvq_polar_l4_b3_levels, kvq_polar_l4_b3_thresholds, 0.0009729455163985312},
+    {"polar_l4_b4", "polar", 4.0, 4, 16, kvq_polar_l4_b4_levels, kvq_polar_l4_b4_thresholds, 0.00026309917880208944},
+    {"sphere_d16_b1", "sphere", 16.0, 1, 2, kvq_sphere_d16_b1_levels, kvq_sphere_d16_b1_thresholds, 0.021449065495836556},
     {"sphere_d16_b2", "sphere", 16.0, 2, 4, kvq_sphere_d16_b2_levels, kvq_sphere_d16_b2_thresholds, 0.0066154675050544955},
-    {"sphere_d16_b3", "sphere", 16.0, 3, 8, kvq_sphere_d16_b3_levels, kvq_sphere_d16_b3_thresholds, 0.0018802585807268968},
-    {"sphere_d16_b4", "sphere", 16.0, 4, 16, kvq_sphere_d16_b4_levels, kvq_sphere_d16_b4_thresholds, 0.0005058539216812122},
-    {"sphere_d16_b5", "sphere", 16.0, 5, 32, kvq_sphere_d16_b5_levels, kvq_sphere_d16_b5_thresholds, 0.0001316302536587466},
-    {"sphere_d16_b6", "sphere", 16.0, 6, 64, kvq_sphere_d16_b6_levels, kvq_sphere_d16_b6_thresholds, 3.3612145369529425e-05},
-    {"sphere_d16_b7", "sphere", 16.0, 7, 128, kvq_sphere_d16_b7_levels, kvq_sphere_d16_b7_thresholds, 8.495892460842647e-06},
-    {"sphere_d16_b8", "sphere", 16.0, 8, 256, kvq_sphere_d16_b8_levels, kvq_sphere_d16_b8_thresholds, 2.1359673016744612e-06},
-    {"sphere_d32_b1", "sphere", 32.0, 1, 2, kvq_sphere_d32_b1_levels, kvq_sphere_d32_b1_thresholds, 0.011042392736142525},
-    {"sphere_d32_b2", "sphere", 32.0, 2, 4, kvq_sphere_d32_b2_levels, kvq_sphere_d32_b2_thresholds, 0.0034875100087004476},
-    {"sphere_d32_b3", "sphere", 32.0, 3, 8, kvq_sphere_d32_b3_levels, kvq_sphere_d32_b3_thresholds, 0.0010081583033142852},
+    {"sphere_d16_b3", "sphere", 16.0, 3, 8, kvq_sphere_d16_b3_levels, kvq_sphere_d16_b3_thresholds, 0.0018802585807268966},
+    {"sphere_d16_b4", "sphere", 16.0, 4, 16, kvq_sphere_d16_b4_levels, kvq_sphere_d16_b4_thresholds, 0.0005058539216812124},
+    {"sphere_d16_b5", "sphere", 16.0, 5, 32, kvq_sphere_d16_b5_levels, kvq_sphere_d16_b5_thresholds, 0.00013163025365874658},
+    {"sphere_d16_b6", "sphere", 16.0, 6, 64, kvq_sphere_d16_b6_levels, kvq_sphere_d16_b6_thresholds, 3.361214536952941e-05},
+    {"sphere_d16_b7", "sphere", 16.0, 7, 128, kvq_sphere_d16_b7_levels, kvq_sphere_d16_b7_thresholds, 8.495892460842645e-06},
+    {"sphere_d16_b8", "sphere", 16.0, 8, 256, kvq_sphere_d16_b8_levels, kvq_sphere_d16_b8_thresholds, 2.135967301674462e-06},
+    {"sphere_d32_b1", "sphere", 32.0, 1, 2, kvq_sphere_d32_b1_levels, kvq_sphere_d32_b1_thresholds, 0.011042392736142537},
+    {"sphere_d32_b2", "sphere", 32.0, 2, 4, kvq_sphere_d32_b2_levels, kvq_sphere_d32_b2_thresholds, 0.0034875100087004463},
+    {"sphere_d32_b3", "sphere", 32.0, 3, 8, kvq_sphere_d32_b3_levels, kvq_sphere_d32_b3_thresholds, 0.001008158303314285},
     {"sphere_d32_b4", "sphere", 32.0, 4, 16, kvq_sphere_d32_b4_levels, kvq_sphere_d32_b4_thresholds, 0.0002741820513090233},
     {"sphere_d32_b5", "sphere", 32.0, 5, 32, kvq_sphere_d32_b5_levels, kvq_sphere_d32_b5_thresholds, 7.180235165933155e-05},
-    {"sphere_d32_b6", "sphere", 32.0, 6, 64, kvq_sphere_d32_b6_levels, kvq_sphere_d32_b6_thresholds, 1.8400177948008827e-05},
-    {"sphere_d32_b7", "sphere", 32.0, 7, 128, kvq_sphere_d32_b7_levels, kvq_sphere_d32_b7_thresholds, 4.659773352983739e-06},
-    {"sphere_d32_b8", "sphere", 32.0, 8, 256, kvq_sphere_d32_b8_levels, kvq_sphere_d32_b8_thresholds, 1.1727009228438457e-06},
-    {"sphere_d64_b1", "sphere", 64.0, 1, 2, kvq_sphere_d64_b1_levels, kvq_sphere_d64_b1_thresholds, 0.005599802512151252},
-    {"sphere_d64_b2", "sphere", 64.0, 2, 4, kvq_sphere_d64_b2_levels, kvq_sphere_d64_b2_thresholds, 0.0017894649501379338},
-    {"sphere_d64_b3", "sphere", 64.0, 3, 8, kvq_sphere_d64_b3_levels, kvq_sphere_d64_b3_thresholds, 0.0005217317827489522},
+    {"sphere_d32_b6", "sphere", 32.0, 6, 64, kvq_sphere_d32_b6_levels, kvq_sphere_d32_b6_thresholds, 1.8400177948008816e-05},
+    {"sphere_d32_b7", "sphere", 32.0, 7, 128, kvq_sphere_d32_b7_levels, kvq_sphere_d32_b7_thresholds, 4.6597733529837396e-06},
+    {"sphere_d32_b8", "sphere", 32.0, 8, 256, kvq_sphere_d32_b8_levels, kvq_sphere_d32_b8_thresholds, 1.1727009228438453e-06},
+    {"sphere_d64_b1", "sphere", 64.0, 1, 2, kvq_sphere_d64_b1_levels, kvq_sphere_d64_b1_thresholds, 0.005599802512151246},
+    {"sphere_d64_b2", "sphere", 64.0, 2, 4, kvq_sphere_d64_b2_levels, kvq_sphere_d64_b2_thresholds, 0.001789464950137934},
+    {"sphere_d64_b3", "sphere", 64.0, 3, 8, kvq_sphere_d64_b3_levels, kvq_sphere_d64_b3_thresholds, 0.0005217317827489525},
     {"sphere_d64_b4", "sphere", 64.0, 4, 16, kvq_sphere_d64_b4_levels, kvq_sphere_d64_b4_thresholds, 0.00014267996255556682},
-    {"sphere_d64_b5", "sphere", 64.0, 5, 32, kvq_sphere_d64_b5_levels, kvq_sphere_d64_b5_thresholds, 3.748792419282645e-05},
-    {"sphere_d64_b6", "sphere", 64.0, 6, 64, kvq_sphere_d64_b6_levels, kvq_sphere_d64_b6_thresholds, 9.624420172301345e-06},
-    {"sphere_d64_b7", "sphere", 64.0, 7, 128, kvq_sphere_d64_b7_levels, kvq_sphere_d64_b7_thresholds, 2.4397678804283347e-06},
-    {"sphere_d64_b8", "sphere", 64.0, 8, 256, kvq_sphere_d64_b8_levels, kvq_sphere_d64_b8_thresholds, 6.143247964760376e-07},
-    {"sphere_d80_b1", "sphere", 80.0, 1, 2, kvq_sphere_d80_b1_levels, kvq_sphere_d80_b1_thresholds, 0.00449236247971404},
-    {"sphere_d80_b2", "sphere", 80.0, 2, 4, kvq_sphere_d80_b2_levels, kvq_sphere_d80_b2_thresholds, 0.0014389321692094988},
-    {"sphere_d80_b3", "sphere", 80.0, 3, 8, kvq_sphere_d80_b3_levels, kvq_sphere_d80_b3_thresholds, 0.0004202507298113983},
-    {"sphere_d80_b4", "sphere", 80.0, 4, 16, kvq_sphere_d80_b4_levels, kvq_sphere_d80_b4_thresholds, 0.00011505589584398252},
-    {"sphere_d80_b5", "sphere", 80.0, 5, 32, kvq_sphere_d80_b5_levels, kvq_sphere_d80_b5_thresholds, 3.0250043339295237e-05},
-    {"sphere_d80_b6", "sphere", 80.0, 6, 64, kvq_sphere_d80_b6_levels, kvq_sphere_d80_b6_thresholds, 7.769104797573952e-06},
-    {"sphere_d80_b7", "sphere", 80.0, 7, 128, kvq_sphere_d80_b7_levels, kvq_sphere_d80_b7_thresholds, 1.9698453075288784e-06},
-    {"sphere_d80_b8", "sphere", 80.0, 8, 256, kvq_sphere_d80_b8_levels, kvq_sphere_d80_b8_thresholds, 4.960523862588692e-07},
-    {"sphere_d96_b1", "sphere", 96.0, 1, 2, kvq_sphere_d96_b1_levels, kvq_sphere_d96_b1_thresholds, 0.003750582397929451},
-    {"sphere_d96_b2", "sphere", 96.0, 2, 4, kvq_sphere_d96_b2_levels, kvq_sphere_d96_b2_thresholds, 0.0012032061779945087},
-    {"sphere_d96_b3", "sphere", 96.0, 3, 8, kvq_sphere_d96_b3_levels, kvq_sphere_d96_b3_thresholds, 0.0003518070502229056},
-    {"sphere_d96_b4", "sphere", 96.0, 4, 16, kvq_sphere_d96_b4_levels, kvq_sphere_d96_b4_thresholds, 9.63892707913128e-05},
-    {"sphere_d96_b5", "sphere", 96.0, 5, 32, kvq_sphere_d96_b5_levels, kvq_sphere_d96_b5_thresholds, 2.535355106030231e-05},
-    {"sphere_d96_b6", "sphere", 96.0, 6, 64, kvq_sphere_d96_b6_levels, kvq_sphere_d96_b6_thresholds, 6.513162897025745e-06},
-    {"sphere_d96_b7", "sphere", 96.0, 7, 128, kvq_sphere_d96_b7_levels, kvq_sphere_d96_b7_thresholds, 1.6516247191018023e-06},
-    {"sphere_d96_b8", "sphere", 96.0, 8, 256, kvq_sphere_d96_b8_levels, kvq_sphere_d96_b8_thresholds, 4.159464801816237e-07},
-    {"sphere_d128_b1", "sphere", 128.0, 1, 2, kvq_sphere_d128_b1_levels, kvq_sphere_d128_b1_thresholds, 0.0028194421381790204},
-    {"sphere_d128_b2", "sphere", 128.0, 2, 4, kvq_sphere_d128_b2_levels, kvq_sphere_d128_b2_thresholds, 0.0009062505490243346},
-    {"sphere_d128_b3", "sphere", 128.0, 3, 8, kvq_sphere_d128_b3_levels, kvq_sphere_d128_b3_thresholds, 0.00026535879526486036},
-    {"sphere_d128_b4", "sphere", 128.0, 4, 16, kvq_sphere_d128_b4_levels, kvq_sphere_d128_b4_thresholds, 7.277178088903197e-05},
-    {"sphere_d128_b5", "sphere", 128.0, 5, 32, kvq_sphere_d128_b5_levels, kvq_sphere_d128_b5_thresholds, 1.9152032462866107e-05},
-    {"sphere_d128_b6", "sphere", 128.0, 6, 64, kvq_sphere_d128_b6_levels, kvq_sphere_d128_b6_thresholds, 4.921568600618835e-06},
-    {"sphere_d128_b7", "sphere", 128.0, 7, 128, kvq_sphere_d128_b7_levels, kvq_sphere_d128_b7_thresholds, 1.2482339804640684e-06},
-    {"sphere_d128_b8", "sphere", 128.0, 8, 256, kvq_sphere_d128_b8_levels, kvq_sphere_d128_b8_thresholds, 3.143840269727906e-07},
-    {"sphere_d192_b1", "sphere", 192.0, 1, 2, kvq_sphere_d192_b1_levels, kvq_sphere_d192_b1_thresholds, 0.0018839594302314643},
+    {"sphere_d64_b5", "sphere", 64.0, 5, 32, kvq_sphere_d64_b5_levels, kvq_sphere_d64_b5_thresholds, 3.7487924192826444e-05},
+    {"sphere_d64_b6", "sphere", 64.0, 6, 64, kvq_sphere_d64_b6_levels, kvq_sphere_d64_b6_thresholds, 9.624420172301343e-06},
+    {"sphere_d64_b7", "sphere", 64.0, 7, 128, kvq_sphere_d64_b7_levels, kvq_sphere_d64_b7_thresholds, 2.4397678804283364e-06},
+    {"sphere_d64_b8", "sphere", 64.0, 8, 256, kvq_sphere_d64_b8_levels, kvq_sphere_d64_b8_thresholds, 6.143247964760377e-07},
+    {"sphere_d80_b1", "sphere", 80.0, 1, 2, kvq_sphere_d80_b1_levels, kvq_sphere_d80_b1_thresholds, 0.0044923624797140365},
+    {"sphere_d80_b2", "sphere", 80.0, 2, 4, kvq_sphere_d80_b2_levels, kvq_sphere_d80_b2_thresholds, 0.0014389321692095008},
+    {"sphere_d80_b3", "sphere", 80.0, 3, 8, kvq_sphere_d80_b3_levels, kvq_sphere_d80_b3_thresholds, 0.00042025072981139843},
+    {"sphere_d80_b4", "sphere", 80.0, 4, 16, kvq_sphere_d80_b4_levels, kvq_sphere_d80_b4_thresholds, 0.00011505589584398253},
+    {"sphere_d80_b5", "sphere", 80.0, 5, 32, kvq_sphere_d80_b5_levels, kvq_sphere_d80_b5_thresholds, 3.025004333929525e-05},
+    {"sphere_d80_b6", "sphere", 80.0, 6, 64, kvq_sphere_d80_b6_levels, kvq_sphere_d80_b6_thresholds, 7.769104797573956e-06},
+    {"sphere_d80_b7", "sphere", 80.0, 7, 128, kvq_sphere_d80_b7_levels, kvq_sphere_d80_b7_thresholds, 1.969845307528879e-06},
+    {"sphere_d80_b8", "sphere", 80.0, 8, 256, kvq_sphere_d80_b8_levels, kvq_sphere_d80_b8_thresholds, 4.960523862588691e-07},
+    {"sphere_d96_b1", "sphere", 96.0, 1, 2, kvq_sphere_d96_b1_levels, kvq_sphere_d96_b1_thresholds, 0.0037505823979294517},
+    {"sphere_d96_b2", "sphere", 96.0, 2, 4, kvq_sphere_d96_b2_levels, kvq_sphere_d96_b2_thresholds, 0.0012032061779945098},
+    {"sphere_d96_b3", "sphere", 96.0, 3, 8, kvq_sphere_d96_b3_levels, kvq_sphere_d96_b3_thresholds, 0.00035180705022290563},
+    {"sphere_d96_b4", "sphere", 96.0, 4, 16, kvq_sphere_d96_b4_levels, kvq_sphere_d96_b4_thresholds, 9.638927079131282e-05},
+    {"sphere_d96_b5", "sphere", 96.0, 5, 32, kvq_sphere_d96_b5_levels, kvq_sphere_d96_b5_thresholds, 2.535355106030232e-05},
+    {"sphere_d96_b6", "sphere", 96.0, 6, 64, kvq_sphere_d96_b6_levels, kvq_sphere_d96_b6_thresholds, 6.5131628970257466e-06},
+    {"sphere_d96_b7", "sphere", 96.0, 7, 128, kvq_sphere_d96_b7_levels, kvq_sphere_d96_b7_thresholds, 1.6516247191018025e-06},
+    {"sphere_d96_b8", "sphere", 96.0, 8, 256, kvq_sphere_d96_b8_levels, kvq_sphere_d96_b8_thresholds, 4.1594648018162367e-07},
+    {"sphere_d128_b1", "sphere", 128.0, 1, 2, kvq_sphere_d128_b1_levels, kvq_sphere_d128_b1_thresholds, 0.002819442138179018},
+    {"sphere_d128_b2", "sphere", 128.0, 2, 4, kvq_sphere_d128_b2_levels, kvq_sphere_d128_b2_thresholds, 0.0009062505490243354},
+    {"sphere_d128_b3", "sphere", 128.0, 3, 8, kvq_sphere_d128_b3_levels, kvq_sphere_d128_b3_thresholds, 0.0002653587952648603},
+    {"sphere_d128_b4", "sphere", 128.0, 4, 16, kvq_sphere_d128_b4_levels, kvq_sphere_d128_b4_thresholds, 7.2771780889032e-05},
+    {"sphere_d128_b5", "sphere", 128.0, 5, 32, kvq_sphere_d128_b5_levels, kvq_sphere_d128_b5_thresholds, 1.915203246286611e-05},
+    {"sphere_d128_b6", "sphere", 128.0, 6, 64, kvq_sphere_d128_b6_levels, kvq_sphere_d128_b6_thresholds, 4.921568600618832e-06},
+    {"sphere_d128_b7", "sphere", 128.0, 7, 128, kvq_sphere_d128_b7_levels, kvq_sphere_d128_b7_thresholds, 1.2482339804640688e-06},
+    {"sphere_d128_b8", "sphere", 128.0, 8, 256, kvq_sphere_d128_b8_levels, kvq_sphere_d128_b8_thresholds, 3.1438402697279053e-07},
+    {"sphere_d192_b1", "sphere", 192.0, 1, 2, kvq_sphere_d192_b1_levels, kvq_sphere_d192_b1_thresholds, 0.0018839594302314656},
     {"sphere_d192_b2", "sphere", 192.0, 2, 4, kvq_sphere_d192_b2_levels, kvq_sphere_d192_b2_thresholds, 0.000606735296072052},
-    {"sphere_d192_b3", "sphere", 192.0, 3, 8, kvq_sphere_d192_b3_levels, kvq_sphere_d192_b3_thresholds, 0.00017791210453404967},
-    {"sphere_d192_b4", "sphere", 192.0, 4, 16, kvq_sphere_d192_b4_levels, kvq_sphere_d192_b4_thresholds, 4.883611292484405e-05},
-    {"sphere_d192_b5", "sphere", 192.0, 5, 32, kvq_sphere_d192_b5_levels, kvq_sphere_d192_b5_thresholds, 1.285983215085016e-05},
-    {"sphere_d192_b6", "sphere", 192.0, 6, 64, kvq_sphere_d192_b6_levels, kvq_sphere_d192_b6_thresholds, 3.3056726473656675e-06},
-    {"sphere_d192_b7", "sphere", 192.0, 7, 128, kvq_sphere_d192_b7_levels, kvq_sphere_d192_b7_thresholds, 8.385432968547953e-07},
-    {"sphere_d192_b8", "sphere", 192.0, 8, 256, kvq_sphere_d192_b8_levels, kvq_sphere_d192_b8_thresholds, 2.1121678262864428e-07},
-    {"sphere_d256_b1", "sphere", 256.0, 1, 2, kvq_sphere_d256_b1_levels, kvq_sphere_d256_b1_thresholds, 0.0014145922568788772},
-    {"sphere_d256_b2", "sphere", 256.0, 2, 4, kvq_sphere_d256_b2_levels, kvq_sphere_d256_b2_thresholds, 0.00045601577651931027},
-    {"sphere_d256_b3", "sphere", 256.0, 3, 8, kvq_sphere_d256_b3_levels, kvq_sphere_d256_b3_thresholds, 0.00013381251406696394},
-    {"sphere_d256_b4", "sphere", 256.0, 4, 16, kvq_sphere_d256_b4_levels, kvq_sphere_d256_b4_thresholds, 3.6748161833164695e-05},
-    {"sphere_d256_b5", "sphere", 256.0, 5, 32, kvq_sphere_d256_b5_levels, kvq_sphere_d256_b5_thresholds, 9.679461874811804e-06},
-    {"sphere_d256_b6", "sphere", 256.0, 6, 64, kvq_sphere_d256_b6_levels, kvq_sphere_d256_b6_thresholds, 2.4885353524677256e-06},
-    {"sphere_d256_b7", "sphere", 256.0, 7, 128, kvq_sphere_d256_b7_levels, kvq_sphere_d256_b7_thresholds, 6.313150089561889e-07},
-    {"sphere_d256_b8", "sphere", 256.0, 8, 256, kvq_sphere_d256_b8_levels, kvq_sphere_d256_b8_thresholds, 1.5902605966953009e-07},
-    {"sphere_d576_b1", "sphere", 576.0, 1, 2, kvq_sphere_d576_b1_levels, kvq_sphere_d576_b1_thresholds, 0.0006299086226695508},
-    {"sphere_d576_b2", "sphere", 576.0, 2, 4, kvq_sphere_d576_b2_levels, kvq_sphere_d576_b2_thresholds, 0.00020338876622562403},
-    {"sphere_d576_b3", "sphere", 576.0, 3, 8, kvq_sphere_d576_b3_levels, kvq_sphere_d576_b3_thresholds, 5.975327088554726e-05},
-    {"sphere_d576_b4", "sphere", 576.0, 4, 16, kvq_sphere_d576_b4_levels, kvq_sphere_d576_b4_thresholds, 1.6422519104399802e-05},
-    {"sphere_d576_b5", "sphere", 576.0, 5, 32, kvq_sphere_d576_b5_levels, kvq_sphere_d576_b5_thresholds, 4.327708235937673e-06},
-    {"sphere_d576_b6", "sphere", 576.0, 6, 64, kvq_sphere_d576_b6_levels, kvq_sphere_d576_b6_thresholds, 1.1129205866858495e-06},
-    {"sphere_d576_b7", "sphere", 576.0, 7, 128, kvq_sphere_d576_b7_levels, kvq_sphere_d576_b7_thresholds, 2.823759091707978e-07},
-    {"sphere_d576_b8", "sphere", 576.0, 8, 256, kvq_sphere_d576_b8_levels, kvq_sphere_d576_b8_thresholds, 7.113477182651778e-08},
+    {"sphere_d192_b3", "sphere", 192.0, 3, 8, kvq_sphere_d192_b3_levels, kvq_sphere_d192_b3_thresholds, 0.00017791210453404978},
+    {"sphere_d192_b4", "sphere", 192.0, 4, 16, kvq_sphere_d192_b4_levels, kvq_sphere_d192_b4_thresholds, 4.8836112924844055e-05},
+    {"sphere_d192_b5", "sphere", 192.0, 5, 32, kvq_sphere_d192_b5_levels, kvq_sphere_d192_b5_thresholds, 1.2859832150850164e-05},
+    {"sphere_d192_b6", "sphere", 192.0, 6, 64, kvq_sphere_d192_b6_levels, kvq_sphere_d192_b6_thresholds, 3.305672647365667e-06},
+    {"sphere_d192_b7", "sphere", 192.0, 7, 128, kvq_sphere_d192_b7_levels, kvq_sphere_d192_b7_thresholds, 8.385432968547952e-07},
+    {"sphere_d192_b8", "sphere", 192.0, 8, 256, kvq_sphere_d192_b8_levels, kvq_sphere_d192_b8_thresholds, 2.112167826286441e-07},
+    {"sphere_d256_b1", "sphere", 256.0, 1, 2, kvq_sphere_d256_b1_levels, kvq_sphere_d256_b1_thresholds, 0.0014145922568788755},
+    {"sphere_d256_b2", "sphere", 256.0, 2, 4, kvq_sphere_d256_b2_levels, kvq_sphere_d256_b2_thresholds, 0.0004560157765193102},
+    {"sphere_d256_b3", "sphere", 256.0, 3, 8, kvq_sphere_d256_b3_levels, kvq_sphere_d256_b3_thresholds, 0.00013381251406696388},
+    {"sphere_d256_b4", "sphere", 256.0, 4, 16, kvq_sphere_d256_b4_levels, kvq_sphere_d256_b4_thresholds, 3.674816183316468e-05},
+    {"sphere_d256_b5", "sphere", 256.0, 5, 32, kvq_sphere_d256_b5_levels, kvq_sphere_d256_b5_thresholds, 9.679461874811797e-06},
+    {"sphere_d256_b6", "sphere", 256.0, 6, 64, kvq_sphere_d256_b6_levels, kvq_sphere_d256_b6_thresholds, 2.488535352467723e-06},
+    {"sphere_d256_b7", "sphere", 256.0, 7, 128, kvq_sphere_d256_b7_levels, kvq_sphere_d256_b7_thresholds, 6.313150089561883e-07},
+    {"sphere_d256_b8", "sphere", 256.0, 8, 256, kvq_sphere_d256_b8_levels, kvq_sphere_d256_b8_thresholds, 1.5902605966952993e-07},
+    {"sphere_d576_b1", "sphere", 576.0, 1, 2, kvq_sphere_d576_b1_levels, kvq_sphere_d576_b1_thresholds, 0.0006299086226695509},
+    {"sphere_d576_b2", "sphere", 576.0, 2, 4, kvq_sphere_d576_b2_levels, kvq_sphere_d576_b2_thresholds, 0.0002033887662256241},
+    {"sphere_d576_b3", "sphere", 576.0, 3, 8, kvq_sphere_d576_b3_levels, kvq_sphere_d576_b3_thresholds, 5.9753270885547285e-05},
+    {"sphere_d576_b4", "sphere", 576.0, 4, 16, kvq_sphere_d576_b4_levels, kvq_sphere_d576_b4_thresholds, 1.6422519104399805e-05},
+    {"sphere_d576_b5", "sphere", 576.0, 5, 32, kvq_sphere_d576_b5_levels, kvq_sphere_d576_b5_thresholds, 4.327708235937672e-06},
+    {"sphere_d576_b6", "sphere", 576.0, 6, 64, kvq_sphere_d576_b6_levels, kvq_sphere_d576_b6_thresholds, 1.112920586685849e-06},
+    {"sphere_d576_b7", "sphere", 576.0, 7, 128, kvq_sphere_d576_b7_levels, kvq_sphere_d576_b7_thresholds, 2.823759091707977e-07},
+    {"sphere_d576_b8", "sphere", 576.0, 8, 256, kvq_sphere_d576_b8_levels, kvq_sphere_d576_b8_thresholds, 7.113477182651774e-08},
     {"sphere_d1024_b1", "sphere", 1024.0, 1, 2, kvq_sphere_d1024_b1_levels, kvq_sphere_d1024_b1_thresholds, 0.00035455986550808616},
-    {"sphere_d1024_b2", "sphere", 1024.0, 2, 4, kvq_sphere_d1024_b2_levels, kvq_sphere_d1024_b2_thresholds, 0.00011454709416927727},
-    {"sphere_d1024_b3", "sphere", 1024.0, 3, 8, kvq_sphere_d1024_b3_levels, kvq_sphere_d1024_b3_thresholds, 3.3666664473714454e-05},
+    {"sphere_d1024_b2", "sphere", 1024.0, 2, 4, kvq_sphere_d1024_b2_levels, kvq_sphere_d1024_b2_thresholds, 0.00011454709416927723},
+    {"sphere_d1024_b3", "sphere", 1024.0, 3, 8, kvq_sphere_d1024_b3_levels, kvq_sphere_d1024_b3_thresholds, 3.366666447371445e-05},
     {"sphere_d1024_b4", "sphere", 1024.0, 4, 16, kvq_sphere_d1024_b4_levels, kvq_sphere_d1024_b4_thresholds, 9.255438757200534e-06},
-    {"sphere_d1024_b5", "sphere", 1024.0, 5, 32, kvq_sphere_d1024_b5_levels, kvq_sphere_d1024_b5_thresholds, 2.43941790993096e-06},
-    {"sphere_d1024_b6", "sphere", 1024.0, 6, 64, kvq_sphere_d1024_b6_levels, kvq_sphere_d1024_b6_thresholds, 6.273822387670515e-07},
-    {"sphere_d1024_b7", "sphere", 1024.0, 7, 128, kvq_sphere_d1024_b7_levels, kvq_sphere_d1024_b7_thresholds, 1.591904888457606e-07},
-    {"sphere_d1024_b8", "sphere", 1024.0, 8, 256, kvq_sphere_d1024_b8_levels, kvq_sphere_d1024_b8_thresholds, 4.010353589258202e-08},
+    {"sphere_d1024_b5", "sphere", 1024.0, 5, 32, kvq_sphere_d1024_b5_levels, kvq_sphere_d1024_b5_thresholds, 2.4394179099309603e-06},
+    {"sphere_d1024_b6", "sphere", 1024.0, 6, 64, kvq_sphere_d1024_b6_levels, kvq_sphere_d1024_b6_thresholds, 6.273822387670516e-07},
+    {"sphere_d1024_b7", "sphere", 1024.0, 7, 128, kvq_sphere_d1024_b7_levels, kvq_sphere_d1024_b7_thresholds, 1.5919048884576053e-07},
+    {"sphere_d1024_b8", "sphere", 1024.0, 8, 256, kvq_sphere_d1024_b8_levels, kvq_sphere_d1024_b8_thresholds, 4.010353589258199e-08},
 };
 
 #endif /* KVQ_TABLES_H */
