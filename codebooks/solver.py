@@ -70,8 +70,8 @@ def lloyd_max(density: Density, bits: int, *, tol: float = DEFAULT_TOL, max_iter
         Continuous densities only: refine the float64 solution by Newton in 50-digit arithmetic
         and round (``codebooks._exact``), so the levels are the exact optimum correctly rounded to
         float64 and ``mse``/``residual`` are those of the stored table, the same bytes on every
-        platform (solver ``"newton-tridiagonal+mp50"``; ~0.1-5 s per table at 8 bits). Without
-        it the last ~10 bits of 7-8-bit levels depend on the platform's floating point. No
+        platform (solver ``"newton-tridiagonal+mp50"``; <= ~0.5 s per table at 8 bits). Without
+        it the last ~11 bits of 7-8-bit levels depend on the platform's floating point. No
         effect on ``Empirical`` (its discrete solve is exact already).
 
     Notes
