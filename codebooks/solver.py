@@ -38,7 +38,6 @@ import math
 import numpy as np
 from numba import njit
 
-from ._exact import refine_half
 from ._quad import tridiagonal_solve
 from ._validate import check_bits
 from .codebook import Codebook, ConvergenceError
@@ -70,9 +69,9 @@ def lloyd_max(density: Density, bits: int, *, tol: float = DEFAULT_TOL, max_iter
         Continuous densities only: refine the float64 solution by Newton in 50-digit arithmetic
         and round (``codebooks._exact``), so the levels are the exact optimum correctly rounded to
         float64 and ``mse``/``residual`` are those of the stored table, the same bytes on every
-        platform (solver ``"newton-tridiagonal+mp50"``; <= ~0.5 s per table at 8 bits). Without
-        it the last ~11 bits of 7-8-bit levels depend on the platform's floating point. No
-        effect on ``Empirical`` (its discrete solve is exact already).
+        platform (solver ``"newton-tridiagonal+mp50"``; a fraction of a second per 8-bit
+        table). Without it the last ~11 bits of 7-8-bit levels depend on the platform's floating
+        point. No effect on ``Empirical`` (its discrete solve is exact already).
 
     Notes
     -----
@@ -206,6 +205,8 @@ def _solve_continuous(density: Density, bits: int, tol: float, max_iter: int, ex
         c0 = density._compander(0.5 + (np.arange(k // 2) + 0.5) / k)
         c, res, half_mse, iters = _solve_half(q, center, hi, c0, density.scale, tol, max_iter, polish)
         if exact:
+            from ._exact import refine_half  # mpmath costs ~0.3 s to import: only on this path
+
             # iterations stays the float64 count: the refinement's step count depends on how
             # close the platform's float64 start was, and the table must not
             full, res, mse, _ = refine_half(density, c)
