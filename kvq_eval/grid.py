@@ -9,7 +9,10 @@ partial cell behind.
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
+from contextlib import contextmanager
 from pathlib import Path
 
 from .band import Band, parse_band
@@ -44,9 +47,26 @@ def parse_entry(name: str) -> tuple[str, Band | None, str]:
     return method, parse_band(band), prefill
 
 
+@contextmanager
+def cell_lock(path: Path):
+    """Hold an exclusive ``flock`` on ``<folder>/.<name>.lock`` while a cell is read, merged and written.
+
+    Two runs (two ``kvq-eval run`` processes on one ``--out``) may fill different entries of the same
+    needle cell; without the lock one run's read-merge-write can drop the other's entries. The kernel
+    drops the lock if the process dies; lock files match ``.*.lock`` in ``.gitignore``.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path.with_name(f".{path.name}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the flock
+
+
 def _write(path: Path, obj: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # per process: never a shared temp file
     tmp.write_text(json.dumps(obj, indent=1, sort_keys=True) + "\n")
     tmp.replace(path)
 

@@ -46,7 +46,7 @@ from kvq_ref.attention import QuantizedKV, attention_prefill, exact_attention, l
 from .accounting import cache_bits, pair_weighted_bits, spec_rates
 from .band import Band
 from .calib import capture, calibration_tables, token_chunks
-from .grid import (PREFILL_MODES, _calibrated, _check_calib_tokens, _merge_niah, _missing, _partial_path,
+from .grid import (PREFILL_MODES, _calibrated, cell_lock, _check_calib_tokens, _merge_niah, _missing, _partial_path,
                    _write, entry_id, parse_entry, plan)
 from .hooks import SIMULATION, QuantizedCache, cache_kwargs, register, session
 from .keyopts import key_structure
@@ -379,13 +379,14 @@ def compute(ev: Evaluator, unit: dict, need: list[str], resumable: bool = False)
 
 
 def _finish(model: str, unit: dict, res: dict, seconds: float) -> None:
-    if unit["task"] == "niah":
-        res = _merge_niah(unit["path"], res)
-    res.update({"model": model, "task": unit["task"]})
-    res["wall_seconds"] = res.get("wall_seconds", 0.0) + seconds
-    if unit["task"] == "ppl":  # a resumed cell's windows carry their own seconds
-        res["wall_seconds"] = max(res["wall_seconds"], sum(w.get("seconds", 0.0) for w in res["windows"]))
-    _write(unit["path"], res)
+    with cell_lock(unit["path"]):  # another run may be merging other entries into this cell
+        if unit["task"] == "niah":
+            res = _merge_niah(unit["path"], res)
+        res.update({"model": model, "task": unit["task"]})
+        res["wall_seconds"] = res.get("wall_seconds", 0.0) + seconds
+        if unit["task"] == "ppl":  # a resumed cell's windows carry their own seconds
+            res["wall_seconds"] = max(res["wall_seconds"], sum(w.get("seconds", 0.0) for w in res["windows"]))
+        _write(unit["path"], res)
     if unit["task"] == "ppl":
         _partial_path(unit).unlink(missing_ok=True)
 

@@ -4,6 +4,7 @@ which entries a stored cell still needs, and how needle cells merge."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -107,3 +108,30 @@ def test_files_are_written_whole_and_read_with_a_clear_error(tmp_path):
     path.write_text('{"x": ')
     with pytest.raises(ValueError, match=r"b\.json: not a readable result file"):
         _read(path)
+
+
+def _fill(path: str, tag: str, count: int) -> None:
+    from kvq_eval.runner import _finish
+
+    for i in range(count):
+        _finish("smollm2", {"task": "niah", "path": Path(path)}, _cell(results={f"{tag}{i}@none": {"exact": i}}),
+                0.0)
+
+
+def test_two_runs_filling_one_needle_cell_lose_no_entry(tmp_path):
+    # two `kvq-eval run` processes on one --out merge different entries into the same cell; the
+    # cell lock makes each read-merge-write whole, so every entry of both survives (without it,
+    # one process's write drops what the other merged in between its read and its write)
+    import multiprocessing as mp
+
+    path = tmp_path / "cell.json"
+    ctx = mp.get_context("fork")
+    procs = [ctx.Process(target=_fill, args=(str(path), tag, 400)) for tag in ("a", "b")]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    got = json.loads(path.read_text())["results"]
+    assert sorted(got) == sorted(f"{t}{i}@none" for t in "ab" for i in range(400))
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
