@@ -11,7 +11,10 @@ or QuaRot so: ``encode(k) = inner.encode(k - mu)``, ``decode = inner.decode + mu
 returns ``q . mu + inner.scores`` so that it mixes with exactly scored band keys in the evaluation
 (``tests/kvq_eval/test_protocol.py`` proves both forms give the same attention). ``mu`` is the
 calibration mean of the (layer, head) keys (``CalibrationStats``), so these methods are calibrated
-and their mean (``d`` float32) is counted in their stored bits (``kvq_eval.accounting``).
+and their mean (``d`` float32) is counted in their stored bits (``kvq_eval.accounting``). Centring
+lowers the keys' average energy but moves a key far from ``mu`` further out: where such a key
+takes the attention (SmolLM2's first token, the attention sink), it raises the error that counts
+(``kvq_eval.sink``; ``kvq-eval sink``).
 
 Registered names (``study_methods``): ``<base>-mc`` for base in tq_mse2/3/4, tq_split2.5/3.5,
 quarot2/4; ``tq_k4v2``, ``tq_k5v3``, ``tq_k8v4`` (TurboQuantMSE with more bits on keys than values)
@@ -160,7 +163,8 @@ def key_structure(q, k) -> tuple[float, float]:
     while a query's useful signal is its logits' spread over the keys (``q . mu`` cancels in
     softmax). ``logit_snr / D`` is that signal-to-noise ratio: 1 for zero-mean isotropic keys, and
     small where the keys' energy sits in their mean (``mean_share``; mean-centred keys divide the
-    noise by ``1 - mean_share``) or where queries point along directions in which keys barely
+    average noise by ``1 - mean_share``, but raise it on keys far from the mean, such as SmolLM2's
+    attention sink: ``kvq_eval.sink``) or where queries point along directions in which keys barely
     vary. Per-channel quantizers such as KIVI scale their error with each channel's own range
     instead, so neither number limits them the same way. Variances are population (``ddof=0``).
     """

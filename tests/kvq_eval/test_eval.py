@@ -179,6 +179,45 @@ def test_capture_equals_stock_attention(lm):
 
 
 @pytest.mark.model
+def test_sink_probe_geometry_is_the_models_attention(lm):
+    """``attention_geometry`` gives SmolLM2's 30 layers the scale d^-1/2 and no sliding window, and
+    ``outside_weights`` with window 0 is then the model's attention: its weights times the captured
+    values equal torch's causal sdpa on the same q, k, v (float64, so to 1e-10). ``sink_report``
+    covers every (layer, KV head) with finite errors."""
+    import torch
+
+    from kvq_eval.hooks import session
+    from kvq_eval.sink import attention_geometry, outside_weights, sink_report
+
+    model, tok, ids, ref = lm
+    scales, slidings = attention_geometry(model)
+    assert sorted(scales) == list(range(30)) and set(scales.values()) == {0.125}
+    assert set(slidings.values()) == {None}
+    with session("capture") as s:
+        model(ids)
+    captured = {layer: parts[0] for layer, parts in s.captured.items()}
+    for layer in (0, 17):
+        q, k, v = captured[layer]
+        for h in range(3):
+            w = outside_weights(q[3 * h:3 * h + 3], k[h], 0, scales[layer])
+            t = (torch.from_numpy(a).double() for a in (q[3 * h:3 * h + 3], k[h][None], v[h][None]))
+            qt, kt, vt = t
+            expect = torch.nn.functional.scaled_dot_product_attention(qt, kt.expand(3, -1, -1), vt.expand(3, -1, -1),
+                                                                      is_causal=True, scale=scales[layer])
+            np.testing.assert_allclose(w @ v[h].astype(np.float64), expect.numpy(), rtol=0, atol=1e-10)
+
+    class Stats:  # the sequence's own key means stand in for the calibration's
+        def head(self, layer, head):
+            return type("H", (), {"keys": type("K", (), {"mean": captured[layer][1][head].mean(0)})()})()
+
+    rep = sink_report({l: captured[l] for l in (0, 17)}, Stats(), 3, 16, scales, slidings)
+    assert len(rep["heads"]) == 6 and rep["tokens"] == 200
+    for row in rep["heads"]:
+        assert 0 <= row["sink_share"] <= 1 and np.isfinite(row["err_plain"]) and np.isfinite(row["err_centred"])
+        assert row["centred_rms"] <= row["key_rms"]  # centring on the own mean never adds energy
+
+
+@pytest.mark.model
 def test_identity_method_reproduces_fp32_logits(lm):
     from kvq_eval.hooks import session
 
