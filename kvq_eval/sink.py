@@ -97,7 +97,10 @@ def sink_stats(q, k, mu, window: int, scale: float, sliding: int | None = None) 
     mu = np.asarray(mu, dtype=np.float64)
     if mu.shape != (k.shape[1],) or not np.all(np.isfinite(mu)):
         raise ValueError(f"mu must be {k.shape[1]} finite numbers, got shape {mu.shape}")
-    w = outside_weights(q, k, window, scale, sliding)
+    return _stats(outside_weights(q, k, window, scale, sliding), k, mu)
+
+
+def _stats(w, k, mu) -> dict:
     total = float(w.sum())
     return {"sink_share": float(w[..., 0].sum()) / total if total > 0 else 0.0,
             "sink_norm": float(np.linalg.norm(k[0])), "sink_offset": float(np.linalg.norm(k[0] - mu)),
@@ -115,7 +118,10 @@ def logit_error(q, k, k_hat, window: int, scale: float, sliding: int | None = No
     k_hat = np.asarray(k_hat, dtype=np.float64)
     if k_hat.shape != k.shape or not np.all(np.isfinite(k_hat)):
         raise ValueError(f"k_hat must be finite with shape {k.shape}, got {k_hat.shape}")
-    w = outside_weights(q, k, window, scale, sliding)
+    return _error(outside_weights(q, k, window, scale, sliding), q, k, k_hat, scale)
+
+
+def _error(w, q, k, k_hat, scale: float) -> float:
     total = float(w.sum())
     if total == 0:
         return 0.0
@@ -165,13 +171,16 @@ def sink_report(captured: dict, stats, bits: int, window: int, scales: dict, sli
         for h in range(k.shape[0]):
             qh, kh = q[h * g:(h + 1) * g], k[h]
             mu = np.asarray(stats.head(layer, h).keys.mean, dtype=np.float64)
-            args = (window, float(scales[layer]), slidings.get(layer))
+            scale = float(scales[layer])
+            w = outside_weights(qh, kh, window, scale, slidings.get(layer))  # once per head: (G, T, T)
+            if mu.shape != (kh.shape[1],) or not np.all(np.isfinite(mu)):
+                raise ValueError(f"layer {layer} head {h}: the key mean must be {kh.shape[1]} finite numbers")
             inner = TurboQuantMSE(kh.shape[1], bits, seed=_seed(layer, h, "key"))
             centred = CenteredKeys(inner, tuple(mu))
-            row = {"layer": int(layer), "head": h, **sink_stats(qh, kh, mu, *args),
-                   "err_plain": logit_error(qh, kh, inner.decode(inner.encode(kh)), *args),
-                   "err_centred": logit_error(qh, kh, centred.decode(centred.encode(kh)), *args)}
-            weight = float(outside_weights(qh, kh, *args).sum())
+            row = {"layer": int(layer), "head": h, **_stats(w, kh, mu),
+                   "err_plain": _error(w, qh, kh, inner.decode(inner.encode(kh)), scale),
+                   "err_centred": _error(w, qh, kh, centred.decode(centred.encode(kh)), scale)}
+            weight = float(w.sum())
             num["plain"] += weight * row["err_plain"]
             num["centred"] += weight * row["err_centred"]
             den += weight
