@@ -163,7 +163,7 @@ def sink_report(captured: dict, stats, bits: int, window: int, scales: dict, sli
     tokens = None
     for layer in sorted(captured):
         q, k = (np.asarray(a, dtype=np.float64) for a in captured[layer][:2])
-        if q.ndim != 3 or k.ndim != 3 or q.shape[0] % k.shape[0] or q.shape[1:] != k.shape[1:]:
+        if q.ndim != 3 or k.ndim != 3 or k.shape[0] < 1 or q.shape[0] % k.shape[0] or q.shape[1:] != k.shape[1:]:
             raise ValueError(f"layer {layer}: q must be (Hq, T, d) and k (Hkv, T, d) with Hkv | Hq, "
                              f"got {q.shape} and {k.shape}")
         tokens = k.shape[1]

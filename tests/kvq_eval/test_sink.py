@@ -123,6 +123,7 @@ def test_bad_input_names_the_argument():
         (lambda: logit_error(q, k, np.zeros((4, 4)), 0, 1.0), "k_hat must be"),
         (lambda: sink_report({}, None, 3, 0, {}), "no layer"),
         (lambda: sink_report({0: (np.zeros((3, 5, 4)), np.zeros((2, 5, 4)))}, None, 3, 0, {0: 1.0}), "Hkv | Hq"),
+        (lambda: sink_report({0: (np.zeros((3, 5, 4)), np.zeros((0, 5, 4)))}, None, 3, 0, {0: 1.0}), "Hkv | Hq"),
     ]:
         with pytest.raises(ValueError, match=match):
             call()
