@@ -44,7 +44,7 @@ eval: $(STAMP)
 	$(EVAL_RUN) --model smollm2 --methods $(EVAL_2TO4) --band none --band 64,256 --tasks niah $(NEEDLES) --ctx 1024,4096,8192
 	$(EVAL_RUN) --model smollm2 --methods $(EVAL_2TO4) --band none --band 64,256 --tasks ppl,layers --ppl-windows 1024x8,8192x4
 	$(EVAL_RUN) --model smollm2 --methods tq_mse2,tq_mse3,tq_mse4,nova,quarot2,quarot2_official --band none --band 64,256 --tasks niah,decode --prefill exact,quantized $(NEEDLES) --ctx 1024 --decode 1024,512,2
-	$(EVAL_RUN) --model smollm2 --methods tq_mse3,tq_mse4,tq_mse3-mc,tq_mse4-mc,tq_split3.5,tq_split3.5-mc,quarot4-mc,tq_k4v2,tq_k5v3,tq_k8v4,tq_k5v3-mc --band none --band 0,64 --band 0,256 --tasks ppl,layers --ppl-windows 1024x8,8192x4
+	$(EVAL_RUN) --model smollm2 --methods tq_mse3,tq_mse4,tq_mse3-mc,tq_mse4-mc,tq_split3.5,tq_split3.5-mc,quarot4,quarot4-mc,tq_k4v2,tq_k5v3,tq_k8v4,tq_k5v3-mc --band none --band 0,64 --band 0,256 --tasks ppl,layers --ppl-windows 1024x8,8192x4
 	$(EVAL_RUN) --model smollm2 --methods tq_mse3,tq_mse3-mc --band 4,64 --tasks ppl --ppl-windows 8192x4  # the sink test (kvq-eval sink)
 	$(EVAL_RUN) --model gemma3 --methods $(EVAL_2TO4) --band none --band 64,256 --tasks niah $(NEEDLES) --ctx 1024,4096,8192
 	$(EVAL_RUN) --model gemma3 --methods $(EVAL_2TO4) --band none --band 64,256 --tasks ppl,layers --ppl-windows 1024x8,8192x4
