@@ -162,9 +162,12 @@ extern "C" __global__ void kvq_quantize_turbo_kernel(const void* x, int in_dtype
   uint8_t* out = blocks + (size_t)blockIdx.x * (size_t)kvq_turbo_block_bytes(d, bits);
   const int tid = threadIdx.x;
   if (tid == 0) {
-    const unsigned short h = __half_as_ushort(__double2half(sm.scale));  // gamma, little-endian
-    out[0] = (uint8_t)(h & 0xFF);
-    out[1] = (uint8_t)(h >> 8);
+    // gamma as one 16-bit little-endian store (out is 2-byte aligned: every block size is even and
+    // the binding allocates the rows). Not two byte stores of __half_as_ushort(gamma): ptxas of
+    // CUDA 13.0 turned the low byte's st.u8 of the f16 register into F2I.U8.F16, storing
+    // min(255, trunc(gamma)) instead of the bits (seen on the H200; host emulation was exact).
+    // tests/gpu/test_cuda.py checks the SASS for f16-to-integer conversions.
+    *reinterpret_cast<__half*>(out) = __double2half(sm.scale);
     if (q == 4) out[2] = out[3] = 0;  // turbo4's unused fp16 field
   }
   for (int p = tid; p < qs_bytes; p += blockDim.x)

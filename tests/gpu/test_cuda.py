@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import shutil
+import subprocess
 
 import numpy as np
 import pytest
@@ -37,6 +39,7 @@ from gpu.cuda import binding
 from gpu.cuda.binding import (HOST_EMULATION_ENV, CudaUnavailableError, decode_attention, find_nvcc,
                               quantize_mse, quantize_turbo_block)
 from gpu.tables import TableMismatchError, load_device_table
+from gpu.triton.report import nvdisasm_path
 from kvq_ref.attention import QuantizedKV, attention_decode, relative_error
 from kvq_ref.packing import packed_size
 from kvq_ref.testing import ATTENTION_RTOL
@@ -91,6 +94,28 @@ def test_sources_compile_for_hopper_without_spills(capsys):
     spilled = [f"{r.kernel}: {r.spill_stores} B stores / {r.spill_loads} B loads" for r in report if r.spills]
     assert not spilled, f"register spills: {spilled}"
 
+
+
+@needs_nvcc
+def test_sass_has_no_half_to_integer_conversion(tmp_path):
+    """The kernels move float16 bits; they never convert a half value to an integer.
+
+    ptxas of CUDA 13.0 compiled a byte store of a float16 register (the turbo block scale's low byte)
+    as F2I.U8.F16, which stores min(255, trunc(gamma)) instead of the bits: codes exact, scales wrong
+    on the H200 while the host emulation was exact. The kernels now store the scale as one 16-bit
+    value; this checks the sm_90 SASS (build_library's flags) for any half-to-integer conversion.
+    """
+    tool = nvdisasm_path()
+    if tool is None:
+        pytest.skip("needs nvdisasm (nvidia-cuda-nvdisasm, the gpu extra)")
+    for src in binding.SOURCES:
+        cubin = tmp_path / f"{src}.cubin"
+        subprocess.run([find_nvcc(), "-O3", "-std=c++17", "-arch=sm_90", "-cubin", "-o", str(cubin), src],
+                       cwd=binding.CUDA_DIR, check=True, capture_output=True)
+        sass = subprocess.run([tool, "-c", str(cubin)], check=True, capture_output=True, text=True).stdout
+        assert "STG.E" in sass, f"{src}: no global stores in the disassembly"
+        bad = [line.strip() for line in sass.splitlines() if re.search(r"\bF2I\S*\.F16\b", line)]
+        assert not bad, f"{src}: half-to-integer conversions in the SASS: {bad}"
 
 # ---- TurboQuantMSE quantize-and-pack ------------------------------------------------------------
 @pytest.mark.parametrize("d,bits", [(d, b) for d in (64, 80, 96, 128, 256) for b in (2, 3, 4)]
