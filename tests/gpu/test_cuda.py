@@ -95,7 +95,6 @@ def test_sources_compile_for_hopper_without_spills(capsys):
     assert not spilled, f"register spills: {spilled}"
 
 
-
 @needs_nvcc
 def test_sass_has_no_half_to_integer_conversion(tmp_path):
     """The kernels move float16 bits; they never convert a half value to an integer.
@@ -116,6 +115,7 @@ def test_sass_has_no_half_to_integer_conversion(tmp_path):
         assert "STG.E" in sass, f"{src}: no global stores in the disassembly"
         bad = [line.strip() for line in sass.splitlines() if re.search(r"\bF2I\S*\.F16\b", line)]
         assert not bad, f"{src}: half-to-integer conversions in the SASS: {bad}"
+
 
 # ---- TurboQuantMSE quantize-and-pack ------------------------------------------------------------
 @pytest.mark.parametrize("d,bits", [(d, b) for d in (64, 80, 96, 128, 256) for b in (2, 3, 4)]
