@@ -9,7 +9,8 @@ from ._version import TABLE_SCHEMA_VERSION, __version__
 from .audit import AuditReport, audit, cell_integrals, distortion
 from .build import default_densities, shipped_tables
 from .codebook import Codebook, ConvergenceError
-from .densities import Density, Empirical, Gaussian, PolarAngle, SphereMarginal
+from .densities import Density, Gaussian, PolarAngle, SphereMarginal
+from .empirical import Empirical
 from .grouping import Grouping, equal_volume_groups
 from .solver import lloyd_max
 from .artifacts import Artifacts, load_artifacts, save_artifacts

@@ -41,7 +41,8 @@ from numba import njit
 from ._quad import tridiagonal_solve
 from ._validate import check_bits
 from .codebook import Codebook, ConvergenceError
-from .densities import Density, Empirical, QuadSpec
+from .densities import Density, QuadSpec
+from .empirical import Empirical
 
 __all__ = ["lloyd_max", "DEFAULT_TOL"]
 

@@ -31,7 +31,8 @@ from .artifacts import (MANIFEST, TENSORS, TableFileError, check_keys, fail, fie
                         load_artifacts, save_artifacts)
 from .audit import distortion
 from .codebook import Codebook
-from .densities import Density, Empirical, density_from_params
+from .densities import Density, density_from_params
+from .empirical import Empirical
 
 __all__ = ["save_tables", "load_tables", "TableSet", "TableFileError", "render_header",
            "MANIFEST", "TENSORS", "HEADER", "KIND"]
