@@ -158,14 +158,16 @@ def attention_weights(q: np.ndarray, k: np.ndarray, scale: float, causal: bool =
     sum_s2 = np.zeros(T)
     for start in range(0, T, chunk):
         stop = min(T, start + chunk)
-        z = np.einsum("gid,td->git", q[:, start:stop], k) * scale
+        # a causal chunk of queries sees keys [0, stop) only: the later columns would be exp(-inf) = 0
+        width = stop if causal else T
+        z = np.matmul(q[:, start:stop], k[:width].T) * scale  # (g, chunk, width), BLAS
         if causal:
-            z = np.where(np.arange(T)[None, None, :] <= np.arange(start, stop)[None, :, None], z, -np.inf)
+            z = np.where(np.arange(width)[None, None, :] <= np.arange(start, stop)[None, :, None], z, -np.inf)
         z -= z.max(axis=-1, keepdims=True)
         p = np.exp(z)
         p /= p.sum(axis=-1, keepdims=True)
-        sum_s += p.sum(axis=(0, 1))
-        sum_s2 += (p * p).sum(axis=(0, 1))
+        sum_s[:width] += p.sum(axis=(0, 1))
+        sum_s2[:width] += (p * p).sum(axis=(0, 1))
     count = g * (T - np.arange(T)) if causal else np.full(T, g * T)
     return sum_s, sum_s2, count
 
