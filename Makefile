@@ -35,23 +35,34 @@ eval-deps: $(STAMP)
 # (2 x 8192 tokens). Then quantized prefill and a 512-token decode, and the key-error study
 # (K/V bit splits, mean-centred keys, recent-token windows; per-layer errors). Several CPU-days on
 # 2 cores (estimated from the per-entry wall times in results/eval_v2): run it on a Ray cluster with
-# RAY=auto (or an address).
+# RAY=auto (or an address). `make eval DRY=1` computes nothing: each run lists the (task, entry)
+# pairs it still misses (kvq-eval run --dry-run). A test checks that every committed cell of
+# results/eval_v2 is a cell of this grid, so this target regenerates all of them.
 EVAL_OUT := results/eval_v2
-EVAL_RUN  = $(VENV)/bin/kvq-eval run $(if $(RAY),--ray $(RAY)) --out $(EVAL_OUT) --calib-tokens 8192
+EVAL_RUN  = $(VENV)/bin/kvq-eval run $(if $(RAY),--ray $(RAY)) $(if $(DRY),--dry-run) --out $(EVAL_OUT) --calib-tokens 8192
 EVAL_2TO4 := tq_mse2,tq_mse3,tq_mse4,tq_prod3,tq_prod4,tq_split2.5,tq_split3.5,qjl,polarquant,kivi2,kivi4,quarot2,quarot4,turbo3,turbo4,oscar,nova,quarot2_official,quarot4_official,oscar_official,nova_official
 NEEDLES := --depths 0.1,0.3,0.5,0.7,0.9 --samples 6
 eval: $(STAMP)
 	$(EVAL_RUN) --model smollm2 --methods $(EVAL_2TO4) --band none --band 64,256 --tasks niah $(NEEDLES) --ctx 1024,4096,8192
 	$(EVAL_RUN) --model smollm2 --methods $(EVAL_2TO4) --band none --band 64,256 --tasks ppl,layers --ppl-windows 1024x8,8192x4
 	$(EVAL_RUN) --model smollm2 --methods tq_mse2,tq_mse3,tq_mse4,nova,quarot2,quarot2_official --band none --band 64,256 --tasks niah,decode --prefill exact,quantized $(NEEDLES) --ctx 1024 --decode 1024,512,2
+	$(EVAL_RUN) --model smollm2 --methods $(EVAL_2TO4) --band 64,256 --tasks decode --decode 1024,512,2
 	$(EVAL_RUN) --model smollm2 --methods tq_mse3,tq_mse4,tq_mse3-mc,tq_mse4-mc,tq_split3.5,tq_split3.5-mc,quarot4,quarot4-mc,tq_k4v2,tq_k5v3,tq_k8v4,tq_k5v3-mc --band none --band 0,64 --band 0,256 --tasks ppl,layers --ppl-windows 1024x8,8192x4
 	$(EVAL_RUN) --model smollm2 --methods tq_mse3,tq_mse3-mc --band 4,64 --tasks ppl --ppl-windows 8192x4  # the sink test (kvq-eval sink)
 	$(EVAL_RUN) --model gemma3 --methods $(EVAL_2TO4) --band none --band 64,256 --tasks niah $(NEEDLES) --ctx 1024,4096,8192
 	$(EVAL_RUN) --model gemma3 --methods $(EVAL_2TO4) --band none --band 64,256 --tasks ppl,layers --ppl-windows 1024x8,8192x4
-	for m in smollm2 gemma3; do $(VENV)/bin/kvq-eval sink --model $$m --tokens 2048 --window 64 --bits 3 \
+	$(EVAL_RUN) --model gemma3 --methods tq_mse3,tq_mse4 --band none --band 64,256 --tasks decode --prefill exact,quantized --decode 1024,512,2
+	$(EVAL_RUN) --model gemma3 --methods nova,quarot2_official --band 64,256 --tasks decode --prefill exact,quantized --decode 1024,512,2
+	$(EVAL_RUN) --model gemma3 --methods $(EVAL_2TO4) --band 64,256 --tasks decode --decode 1024,512,2
+	# Gemma's key-error study: mean-centred keys, K/V bit splits, recent-token windows
+	$(EVAL_RUN) --model gemma3 --methods tq_mse3-mc,tq_mse4-mc --band none --tasks niah,ppl,layers --variants single $(NEEDLES) --ctx 1024 --ppl-windows 1024x8,8192x4
+	$(EVAL_RUN) --model gemma3 --methods tq_k5v3,tq_k8v4 --band none --tasks ppl --ppl-windows 8192x4
+	$(EVAL_RUN) --model gemma3 --methods tq_mse4,tq_k5v3,tq_mse3-mc,tq_mse4-mc,tq_k5v3-mc --band 0,64 --tasks ppl --ppl-windows 8192x4
+	$(EVAL_RUN) --model gemma3 --methods tq_mse4,tq_k5v3 --band 0,256 --tasks ppl --ppl-windows 8192x4
+	[ -n "$(DRY)" ] || for m in smollm2 gemma3; do $(VENV)/bin/kvq-eval sink --model $$m --tokens 2048 --window 64 --bits 3 \
 	  --out $(EVAL_OUT)/$$m/sink_tq3_w64.json; done
-	$(VENV)/bin/kvq-eval plot $(EVAL_OUT) --model smollm2 -o $(EVAL_OUT)/smollm2
-	$(VENV)/bin/kvq-eval plot $(EVAL_OUT) --model gemma3 -o $(EVAL_OUT)/gemma3
+	[ -n "$(DRY)" ] || $(VENV)/bin/kvq-eval plot $(EVAL_OUT) --model smollm2 -o $(EVAL_OUT)/smollm2
+	[ -n "$(DRY)" ] || $(VENV)/bin/kvq-eval plot $(EVAL_OUT) --model gemma3 -o $(EVAL_OUT)/gemma3
 
 # The demo writes only under $(OUT)/ (ignored by git): regenerated curves differ from the committed
 # results/theory/ in last digits across machines (BLAS, libm), so a demo run never dirties the checkout.

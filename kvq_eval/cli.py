@@ -71,13 +71,50 @@ def _decode(text: str) -> tuple[int, int, int]:
     return tuple(int(p) for p in parts)
 
 
-def _cmd_run(args) -> int:
+def grid_kwargs(args) -> dict:
+    """``kvq_eval.grid.plan``'s keyword arguments for a parsed ``kvq-eval run`` command line (the
+    grid a ``run`` computes; also how a test reads ``make eval``'s grid)."""
     from .band import parse_band
-    from .runner import run_grid
 
     bands = args.band or ["none"]
     for b in bands:
         parse_band(b)
+    return dict(model=args.model, methods=_methods(args.methods), out=args.out,
+                contexts=parse_int_list(args.ctx, "--ctx"), tasks=[t.strip() for t in args.tasks.split(",")],
+                variants=[v.strip() for v in args.variants.split(",")],
+                depths=parse_float_list(args.depths, "--depths"), samples=args.samples, bands=bands,
+                prefill=[p.strip() for p in args.prefill.split(",")], ppl_windows=_windows(args.ppl_windows),
+                decode=_decode(args.decode))
+
+
+def _dry_run(kw: dict, calib_tokens: int) -> int:
+    """Print what a run would compute: its cells, how many are stored, and the missing (task, entry)
+    pairs with their counts (a needle sample counts once per entry it lacks). Computes nothing."""
+    from .grid import _check_calib_tokens, _missing, plan
+
+    _check_calib_tokens(calib_tokens)
+    units = plan(**kw)
+    missing: dict[tuple[str, str], int] = {}
+    todo = 0
+    for u in units:
+        need = _missing(u, calib_tokens)
+        todo += bool(need)
+        for e in need:
+            key = (u["task"] + (f" {u['cell'][0]} {u['cell'][1]}" if u["task"] == "niah" else
+                                f" {u['tokens']}x{u['windows']}" if u["task"] == "ppl" else ""), e)
+            missing[key] = missing.get(key, 0) + 1
+    print(f"{kw['model']}: {len(units)} cell(s) planned, {len(units) - todo} complete, {todo} missing an entry")
+    for (task, entry), n in sorted(missing.items()):
+        print(f"  missing  {task:<24} {entry:<36} {n}")
+    return 0
+
+
+def _cmd_run(args) -> int:
+    from .runner import run_grid
+
+    kw = grid_kwargs(args)
+    if args.dry_run:
+        return _dry_run(kw, args.calib_tokens)
     t0 = time.perf_counter()
     summary: dict = {}
     interrupted = None
@@ -87,14 +124,7 @@ def _cmd_run(args) -> int:
 
     previous = signal.signal(signal.SIGTERM, stop)
     try:
-        run_grid(args.model, _methods(args.methods), args.out,
-                 contexts=parse_int_list(args.ctx, "--ctx"),
-                 tasks=[t.strip() for t in args.tasks.split(",")],
-                 variants=[v.strip() for v in args.variants.split(",")],
-                 depths=parse_float_list(args.depths, "--depths"), samples=args.samples, bands=bands,
-                 prefill=[p.strip() for p in args.prefill.split(",")],
-                 ppl_windows=_windows(args.ppl_windows), decode=_decode(args.decode),
-                 calib_tokens=args.calib_tokens, ray=args.ray, num_gpus=args.ray_gpus, summary=summary)
+        run_grid(**kw, calib_tokens=args.calib_tokens, ray=args.ray, num_gpus=args.ray_gpus, summary=summary)
     except KeyboardInterrupt as exc:
         interrupted = str(exc) or "SIGINT"
     finally:
@@ -247,6 +277,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--out", default="results/eval_v2")
     r.add_argument("--ray", default=None, help="run cells as Ray tasks: auto, ADDRESS, or local")
     r.add_argument("--ray-gpus", type=float, default=0.0, help="GPUs per Ray task")
+    r.add_argument("--dry-run", action="store_true",
+                   help="compute nothing: list the grid's missing (task, entry) pairs and how many cells lack each")
     r.set_defaults(func=_cmd_run)
     q = sub.add_parser("plot", help="quality-vs-stored-bits chart from the JSON")
     q.add_argument("results", help="results folder (the --out of run)")
