@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import json
 import shlex
-import shutil
 import subprocess
 from pathlib import Path
-
-import pytest
 
 from kvq_eval.cli import _parser, grid_kwargs, main
 from kvq_eval.grid import _write, plan
@@ -18,14 +15,17 @@ ROOT = Path(__file__).resolve().parents[2]
 TASK_FOLDERS = ("ppl", "niah", "decode", "layers")
 
 
+def _make_eval_recipe(*variables: str) -> list[str]:
+    """The lines of ``make eval``'s recipe, printed by ``make -n``, not run. The suite runs under
+    ``make test``, so a missing ``make`` is a failure here, not a skip."""
+    return subprocess.run(["make", "-n", "-s", "-C", str(ROOT), "eval", *variables], capture_output=True,
+                          text=True, check=True).stdout.splitlines()
+
+
 def _make_eval_runs() -> list[list[str]]:
-    """The ``kvq-eval run`` argument lists of ``make eval``'s recipe (``make -n``: printed, not run)."""
-    if shutil.which("make") is None:
-        pytest.skip("make is not installed")
-    out = subprocess.run(["make", "-n", "-s", "-C", str(ROOT), "eval"], capture_output=True, text=True,
-                         check=True).stdout
+    """The ``kvq-eval run`` argument lists of ``make eval``'s recipe."""
     runs = []
-    for line in out.splitlines():
+    for line in _make_eval_recipe():
         if "kvq-eval run" not in line:
             continue
         argv = shlex.split(line, comments=True)
@@ -62,13 +62,10 @@ def test_make_eval_plans_every_committed_cell():
 
 def test_make_eval_dry_run_computes_nothing():
     """``make eval DRY=1`` passes --dry-run to every run and skips the sink and plot steps."""
-    if shutil.which("make") is None:
-        pytest.skip("make is not installed")
-    out = subprocess.run(["make", "-n", "-s", "-C", str(ROOT), "eval", "DRY=1"], capture_output=True, text=True,
-                         check=True).stdout
-    runs = [line for line in out.splitlines() if "kvq-eval run" in line]
+    lines = _make_eval_recipe("DRY=1")
+    runs = [line for line in lines if "kvq-eval run" in line]
     assert runs and all("--dry-run" in line for line in runs)
-    others = [line for line in out.splitlines() if "kvq-eval run" not in line and
+    others = [line for line in lines if "kvq-eval run" not in line and
               ("kvq-eval sink" in line or "kvq-eval plot" in line)]
     assert len(others) == 3 and all(line.startswith('[ -n "1" ] ||') for line in others), others
 
