@@ -5,11 +5,13 @@ quotes three kinds of ``kvq-eval`` output, and this module recomputes each from 
 so that a new result cell never leaves a stale number behind:
 
 - a summary table (first column ``entry``) right after a marker line
-  ``<!-- kvq-eval table MODEL [VARIANT] [all] -->`` (``VARIANT`` is ``single``, ``multiquery``,
-  ``decode`` or ``-`` for every needle variant). The README's header is kept (a table may show a
-  subset of ``kvq-eval table``'s columns) and every row is recomputed from the row of its entry;
-  with ``all`` the rows are every entry ``kvq-eval table`` prints, in its order, so a new entry
-  appears by itself;
+  ``<!-- kvq-eval table MODEL [VARIANT] [all|filled] -->`` (``VARIANT`` is ``single``,
+  ``multiquery``, ``decode`` or ``-`` for every needle variant). The README's header is kept (a
+  table may show a subset of ``kvq-eval table``'s columns) and every row is recomputed from the row
+  of its entry; with ``all`` the rows are every entry ``kvq-eval table`` prints, in its order, so a
+  new entry appears by itself; ``filled`` is ``all`` less the rows that are "–" in every column the
+  README shows (a needle table then gains a method's row with its first needle cell, and is not
+  padded with entries that only have perplexity cells);
 - a paired needle table (first column ``context``) under a line naming "`A` against `B`": the
   ``kvq-eval compare A B --variant single`` table of SmolLM2;
 - a paired 8K perplexity table (first column ``A − B at 8K``, or ``A − B at 8K (Gemma-3)``): each
@@ -34,7 +36,7 @@ __all__ = ["refresh_readme", "refresh_readme_file"]
 SECTION = ("**Status.**", "**The v1 results**")
 PAIRED_8K = {"A − B at 8K": "smollm2", "A − B at 8K (Gemma-3)": "gemma3"}
 Results = Callable[[str], dict]  # model -> load_results of that model, loaded once
-_MARK = re.compile(r"^<!-- kvq-eval table (\w+)(?: (single|multiquery|decode|-))?( all)? -->$")
+_MARK = re.compile(r"^<!-- kvq-eval table (\w+)(?: (single|multiquery|decode|-))?(?: (all|filled))? -->$")
 
 
 def _cells(line: str) -> list[str]:
@@ -78,7 +80,7 @@ def _summary(results: Results, model: str, variant: str | None) -> list[list[str
     return _parse(text)
 
 
-def _entry_table(old: list[list[str]], gen: list[list[str]], all_rows: bool, where: str) -> list[str]:
+def _entry_table(old: list[list[str]], gen: list[list[str]], rows_from: str | None, where: str) -> list[str]:
     header, ghead = old[0], gen[0]
     missing = [h for h in header if h not in ghead]
     if missing:
@@ -87,8 +89,10 @@ def _entry_table(old: list[list[str]], gen: list[list[str]], all_rows: bool, whe
     by_entry: dict[str, list[list[str]]] = {}
     for r in gen[1:]:
         by_entry.setdefault(r[0], []).append(r)
-    if all_rows:
+    if rows_from == "all":
         rows = gen[1:]
+    elif rows_from == "filled":
+        rows = [r for r in gen[1:] if any(r[i] != "–" for i in idx[1:])]
     else:
         rows = []
         for r in old[1:]:
@@ -174,9 +178,9 @@ def refresh_readme(text: str, results_dir) -> str:
         if old[0][0] == "entry":
             if not mark:
                 raise ValueError(f"{where}: an entry table needs a '<!-- kvq-eval table MODEL ... -->' line above it")
-            model, variant, all_rows = mark.group(1), mark.group(2), bool(mark.group(3))
+            model, variant, rows_from = mark.groups()
             variant = None if variant in (None, "-") else variant
-            new = _entry_table(old, _summary(results, model, variant), all_rows, where)
+            new = _entry_table(old, _summary(results, model, variant), rows_from, where)
         elif old[0][0] == "context":
             new = _needle_pair(results, lead, old, where)
         elif old[0][0] in PAIRED_8K:

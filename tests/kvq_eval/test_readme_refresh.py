@@ -2,7 +2,7 @@
 
 The committed README must be a fixed point of the refresh (every table is what the committed JSON
 gives), and the refresh must repair what goes stale: a changed number, a row missing from a table
-marked ``all``, paired rows. What the JSON cannot give is a ``ValueError`` naming it.
+marked ``all`` or ``filled``, paired rows. What the JSON cannot give is a ``ValueError`` naming it.
 """
 
 from __future__ import annotations
@@ -67,10 +67,32 @@ def test_a_changed_number_is_restored(text):
 def test_a_missing_row_comes_back_only_in_an_all_table(text):
     row = _table_rows(text, "<!-- kvq-eval table smollm2 single all -->")[5]
     assert refresh_readme(text.replace(row + "\n", "", 1), RESULTS) == text
+    # ... or in a "filled" one (here: a multi-query row that only exists at 1K)
+    marker = "<!-- kvq-eval table smollm2 multiquery filled -->"
+    row = next(r for r in _table_rows(text, marker) if r.startswith("| tq_mse2@none+qprefill |"))
+    assert refresh_readme(text.replace(row + "\n", "", 1), RESULTS) == text
     # a table without "all" shows the rows the README chose
     listed = _table_rows(text, "<!-- kvq-eval table smollm2 single -->")[2]
     shorter = text.replace(listed + "\n", "", 1)
     assert refresh_readme(shorter, RESULTS) == shorter
+
+
+def test_a_filled_table_holds_exactly_the_entries_with_a_shown_value(text):
+    """``filled`` keeps kvq-eval table's rows that show a value in one of the README's columns: the
+    multi-query table lists every entry with a multi-query needle cell, and none of the entries that
+    only have perplexity or single-needle cells (which ``all`` would add as rows of "–")."""
+    from kvq_eval.plot import load_results
+
+    res = load_results(str(RESULTS), "smollm2")
+    with_cells = {e for cell in res["niah"] if cell["variant"] == "multiquery" for e in cell["results"]}
+    rows = _table_rows(text, "<!-- kvq-eval table smollm2 multiquery filled -->")
+    listed = {r.split("|")[1].strip() for r in rows}
+    assert listed == with_cells
+    assert not any(set(r.split("|")[2:-1]) <= {" – "} for r in rows)
+    # "all" would add rows of dashes for the key-error-study entries that have no multi-query cell
+    padded = refresh_readme(text.replace("smollm2 multiquery filled -->", "smollm2 multiquery all -->", 1), RESULTS)
+    extra = _table_rows(padded, "<!-- kvq-eval table smollm2 multiquery all -->")
+    assert len(extra) > len(rows) and all(set(r.split("|")[2:-1]) <= {" – "} for r in set(extra) - set(rows))
 
 
 def test_paired_rows_are_restored(text):
@@ -99,7 +121,7 @@ def test_what_the_json_cannot_give_is_named(text):
 
 
 def test_cli_check_and_refresh(text, tmp_path, capsys):
-    row = _table_rows(text, "<!-- kvq-eval table smollm2 multiquery -->")[0]
+    row = _table_rows(text, "<!-- kvq-eval table smollm2 multiquery filled -->")[0]
     path = tmp_path / "README.md"
     path.write_text(text.replace(row, _bump_digit(row), 1))
     assert main(["readme", str(path), "--results", str(RESULTS), "--check"]) == 1
