@@ -230,25 +230,35 @@ class Evaluator:
                 **self._band_record(spec, tokens)}
 
     # --- caches ---------------------------------------------------------------------------------
-    def _prefill(self, ids, spec=None):
+    def _prefill(self, ids, spec=None, logits: bool = True):
         """(DynamicCache holding ``ids``, logits of the last position): exact (``spec`` None) or
-        with streaming-quantized attention."""
+        with streaming-quantized attention.
+
+        ``logits=False`` (the needle, which scores the answer from the cache alone) gives ``None``
+        for the logits and has the model form them for the last position only: the full forward
+        forms them for every position, 8.6 GB and a 1.4-TFLOP head for Gemma's vocabulary at 8K
+        tokens (1.6 GB for SmolLM2), which two 8K workers on 24 GiB cannot hold at once. The cache
+        is the same either way (the head is after the last layer). The decode keeps the full
+        forward: its last logits are a result, and the head over one row rounds differently.
+        """
         from transformers import DynamicCache
 
         cache = DynamicCache()
+        keep = {} if logits else {"logits_to_keep": 1}
         with session("off") if spec is None else session("simulate", spec):
-            logits = self.model(ids, **cache_kwargs(self.model, cache), use_cache=True).logits[0, -1]
+            out = self.model(ids, **cache_kwargs(self.model, cache), use_cache=True, **keep).logits
         # a copy of the last row: a view would keep all positions' logits alive (8.6 GB for Gemma
         # at 8K) as long as the shared prefill is
-        return cache, logits.clone()
+        return cache, (out[0, -1].clone() if logits else None)
 
-    def _calls(self, method, band, prefill, exact, doc):
+    def _calls(self, method, band, prefill, exact, doc, logits: bool = True):
         """(make a fresh cache, the session of its calls, the spec or None, last prefill logits) for
-        one entry; ``exact`` is the shared exact ``_prefill`` of ``doc``."""
+        one entry; ``exact`` is the shared exact ``_prefill`` of ``doc``; ``logits`` as in
+        ``_prefill`` for a quantized prefill."""
         if method == "fp32":
             return (lambda: copy.deepcopy(exact[0])), (lambda c: session("off")), None, exact[1]
         spec = self.spec(method, band)
-        base, last = exact if prefill == "exact" else self._prefill(doc, spec)
+        base, last = exact if prefill == "exact" else self._prefill(doc, spec, logits)
         return (lambda: QuantizedCache.from_cache(base, spec)), (lambda c: session("cache", spec, c)), spec, last
 
     def _step(self, ids, cache, ctx):
@@ -265,13 +275,13 @@ class Evaluator:
         question = self.tok(s.question, add_special_tokens=False, return_tensors="pt").input_ids
         ref = self.tok(s.reference, add_special_tokens=False, return_tensors="pt").input_ids
         max_new = max_new or ref.shape[1] + 6
-        exact = self._prefill(doc)
+        exact = self._prefill(doc, logits=False)  # the answer is scored from the cache alone
         eos = self.tok.eos_token_id
         results = {}
         for name in entries:
             t0 = time.perf_counter()
             method, band, prefill = parse_entry(name)
-            fresh, ctx, spec, _ = self._calls(method, band, prefill, exact, doc)
+            fresh, ctx, spec, _ = self._calls(method, band, prefill, exact, doc, logits=False)
             # teacher-forced log-probability of the reference answer, on a copy of the document's
             # cache (encoded once per entry: the greedy pass below reads the original)
             cache = fresh()

@@ -342,6 +342,28 @@ def _evaluator(model, tok):
 
 
 @pytest.mark.model
+@pytest.mark.parametrize("name", [None, "tq_mse3"])
+def test_needle_prefill_keeps_the_cache_and_forms_no_logits(lm, name):
+    """The needle's prefill (``logits=False``: the head over the last position only, so that an 8K
+    Gemma prefill does not form 8.6 GB of logits) fills a cache bit-identical to the full forward's,
+    exact and quantized-prefill alike: the cache is written before the head, so the comparison is
+    exact, not within a tolerance."""
+    import torch
+
+    from kvq_eval.band import Band
+
+    model, tok, ids, ref = lm
+    ev = _evaluator(model, tok)
+    spec = None if name is None else ev.spec(name, Band(4, 16))
+    full, last = ev._prefill(ids[:, :80], spec)
+    lean, none = ev._prefill(ids[:, :80], spec, logits=False)
+    assert none is None and last.shape == (model.config.vocab_size,)
+    assert len(full.layers) == len(lean.layers) == model.config.num_hidden_layers
+    for a, b in zip(full.layers, lean.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+@pytest.mark.model
 @pytest.mark.parametrize("name,sink,window", [("tq_mse3", 4, 16), ("kivi2", 0, 32)])
 def test_cache_decode_equals_streaming_simulation(lm, name, sink, window):
     """One band rule in both modes: a quantized prefill of 80 tokens, then 40 tokens decoded one at a
