@@ -64,7 +64,7 @@ def test_a_changed_number_is_restored(text):
     assert refresh_readme(stale, RESULTS) == text
 
 
-def test_a_missing_row_comes_back_only_in_an_all_table(text):
+def test_a_missing_row_comes_back_only_in_an_all_or_filled_table(text):
     row = _table_rows(text, "<!-- kvq-eval table smollm2 single all -->")[5]
     assert refresh_readme(text.replace(row + "\n", "", 1), RESULTS) == text
     # ... or in a "filled" one (here: a multi-query row that only exists at 1K)
