@@ -236,8 +236,8 @@ class Evaluator:
 
         ``logits=False`` (the needle, which scores the answer from the cache alone) gives ``None``
         for the logits and has the model form them for the last position only: the full forward
-        forms them for every position, 8.6 GB and a 1.4-TFLOP head for Gemma's vocabulary at 8K
-        tokens (1.6 GB for SmolLM2), which two 8K workers on 24 GiB cannot hold at once. The cache
+        forms them for every position, 8.6 GB and 1.4e12 multiply-adds for Gemma's vocabulary at
+        8K tokens (1.6 GB for SmolLM2), which two 8K workers on 24 GiB cannot hold at once. The cache
         is the same either way (the head is after the last layer). The decode keeps the full
         forward: its last logits are a result, and the head over one row rounds differently.
         """
