@@ -347,7 +347,7 @@ def test_needle_prefill_keeps_the_cache_and_forms_no_logits(lm, name):
     """The needle's prefill (``logits=False``: the head over the last position only, so that an 8K
     Gemma prefill does not form 8.6 GB of logits) fills a cache bit-identical to the full forward's,
     exact and quantized-prefill alike: the cache is written before the head, so the comparison is
-    exact, not within a tolerance."""
+    exact, not within a tolerance. The head's input shows how many positions it formed logits for."""
     import torch
 
     from kvq_eval.band import Band
@@ -355,8 +355,14 @@ def test_needle_prefill_keeps_the_cache_and_forms_no_logits(lm, name):
     model, tok, ids, ref = lm
     ev = _evaluator(model, tok)
     spec = None if name is None else ev.spec(name, Band(4, 16))
-    full, last = ev._prefill(ids[:, :80], spec)
-    lean, none = ev._prefill(ids[:, :80], spec, logits=False)
+    seen = []
+    hook = model.lm_head.register_forward_hook(lambda mod, args, out: seen.append(args[0].shape[1]))
+    try:
+        full, last = ev._prefill(ids[:, :80], spec)
+        lean, none = ev._prefill(ids[:, :80], spec, logits=False)
+    finally:
+        hook.remove()
+    assert seen == [80, 1]
     assert none is None and last.shape == (model.config.vocab_size,)
     assert len(full.layers) == len(lean.layers) == model.config.num_hidden_layers
     for a, b in zip(full.layers, lean.layers):
