@@ -61,8 +61,8 @@ eval: $(STAMP)
 	$(EVAL_RUN) --model gemma3 --methods tq_mse4,tq_k5v3 --band 0,256 --tasks ppl --ppl-windows 8192x4
 	[ -n "$(DRY)" ] || for m in smollm2 gemma3; do $(VENV)/bin/kvq-eval sink --model $$m --tokens 2048 --window 64 --bits 3 \
 	  --out $(EVAL_OUT)/$$m/sink_tq3_w64.json; done
-	[ -n "$(DRY)" ] || $(VENV)/bin/kvq-eval plot $(EVAL_OUT) --model smollm2 -o $(EVAL_OUT)/smollm2
-	[ -n "$(DRY)" ] || $(VENV)/bin/kvq-eval plot $(EVAL_OUT) --model gemma3 -o $(EVAL_OUT)/gemma3
+	[ -n "$(DRY)" ] || for m in smollm2 gemma3; do $(VENV)/bin/kvq-eval plot $(EVAL_OUT) --model $$m -o $(EVAL_OUT)/$$m || exit 1; done
+	[ -n "$(DRY)" ] || for m in smollm2 gemma3; do $(VENV)/bin/kvq-eval plot $(EVAL_OUT) --model $$m --variant multiquery -o $(EVAL_OUT)/$${m}_multiquery || exit 1; done
 
 # The demo writes only under $(OUT)/ (ignored by git): regenerated curves differ from the committed
 # results/theory/ in last digits across machines (BLAS, libm), so a demo run never dirties the checkout.

@@ -286,7 +286,7 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("-o", "--output", required=True, help="output prefix for the PNG files")
     q.add_argument("--entries", default=None, help="only these entries (';' list, e.g. 'fp32;tq_mse4@none')")
     q.add_argument("--variant", default="single", choices=NEEDLE_VARIANTS,
-                   help="needle variant of the exact-match panel (default single)")
+                   help="needle variant of the exact-match and log-probability panels (default single)")
     q.set_defaults(func=_cmd_plot)
     t = sub.add_parser("table", help="the summary table (Markdown, with intervals) from the JSON")
     t.add_argument("results", help="results folder (the --out of run)")

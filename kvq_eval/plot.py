@@ -328,18 +328,23 @@ def _bits_key(e, pp, nh) -> float:
 
 
 def figures(res: dict, model: str, variant: str = "single") -> dict:
-    """``{"quality_vs_bits": Figure}``: perplexity change (per window length) and needle exact match
-    (per context, needle ``variant`` only: exact match is not comparable across variants, and a
-    pooled point would mix samples of different difficulty) against the stored bits as the cache
-    holds them, with interval bars."""
+    """``{"quality_vs_bits": Figure}``: against the stored bits as the cache holds them, with
+    interval bars, three panels: perplexity change (per window length), needle exact match (Wilson
+    interval) and the answer's log-probability change against fp32 on the same samples (paired
+    bootstrap interval), both per context and for the needle ``variant`` only (neither is
+    comparable across variants, and a pooled point would mix samples of different difficulty).
+
+    The log-probability panel is the one that separates methods where exact match saturates (the
+    multi-query needle, where fp32 itself finds few answers); it is drawn on a symlog axis (linear
+    within 1 nat of fp32)."""
     from matplotlib.figure import Figure
 
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     pp = ppl_summary(res)
     nh = niah_summary([c for c in res["niah"] if c["variant"] == variant])
-    fig = Figure(figsize=(12, 4.5))
-    ax1, ax2 = fig.subplots(1, 2)
+    fig = Figure(figsize=(18, 4.5))
+    ax1, ax2, ax3 = fig.subplots(1, 3)
     for t in sorted({t for by in pp.values() for t in by}):
         pts = [(e, by[t]) for e, by in sorted(pp.items()) if t in by]
         x = [p["bits"] for _, p in pts]
@@ -354,7 +359,8 @@ def figures(res: dict, model: str, variant: str = "single") -> dict:
     ax1.grid(True, alpha=0.3)
     if pp:
         ax1.legend(fontsize=8)
-    for c in sorted({c for by in nh.values() for c in by}):
+    contexts = sorted({c for by in nh.values() for c in by})
+    for c in contexts:
         pts = [(e, by[c]) for e, by in sorted(nh.items()) if c in by and e != "fp32"]
         x = [p["bits"] for _, p in pts]
         y = [p["exact"] for _, p in pts]
@@ -364,12 +370,31 @@ def figures(res: dict, model: str, variant: str = "single") -> dict:
         fp = nh.get("fp32", {}).get(c)
         if fp:
             ax2.axhline(fp["exact"], lw=0.8, ls="--", color="gray")
+        lp = [(e, p) for e, p in pts if "dlogprob" in p]
+        if lp:
+            err = np.array([[p["dlogprob"] - p["dlogprob_ci"][0], p["dlogprob_ci"][1] - p["dlogprob"]]
+                            for _, p in lp]).T
+            ns = sorted({p["paired"] for _, p in lp})
+            n = str(ns[0]) if len(ns) == 1 else f"{ns[0]}–{ns[-1]}"
+            ax3.errorbar([p["bits"] for _, p in lp], [p["dlogprob"] for _, p in lp], yerr=err, fmt="o",
+                         ms=4, capsize=2, label=f"{_ctx(c)} (n={n} paired)")
+            if c == contexts[-1]:  # name the longest context's points only, the others would overlap
+                for e, p in lp:
+                    ax3.annotate(e, (p["bits"], p["dlogprob"]), fontsize=6, xytext=(3, 3),
+                                 textcoords="offset points")
     ax2.set_xlabel("stored bits per element of the needle cache")
     ax2.set_ylabel(f"{variant} needle exact match (Wilson 95% CI)\ndashed: fp32")
     ax2.set_ylim(-0.05, 1.05)
     ax2.grid(True, alpha=0.3)
     if nh:
         ax2.legend(fontsize=8)
+    ax3.axhline(0.0, lw=0.8, ls="--", color="gray")
+    ax3.set_yscale("symlog", linthresh=1.0)
+    ax3.set_xlabel("stored bits per element of the needle cache")
+    ax3.set_ylabel(f"{variant} needle: answer log-prob vs fp32\n(nats, paired bootstrap 95% CI)")
+    ax3.grid(True, alpha=0.3)
+    if ax3.containers:
+        ax3.legend(fontsize=8)
     fig.suptitle(f"{model}: quality vs stored bits")
     fig.tight_layout()
     return {"quality_vs_bits": fig}

@@ -241,7 +241,7 @@ def _multiquery(folder):
 
 def test_chart_plots_one_needle_variant(folder):
     # a multi-query cell at the same context must not be pooled into the single-needle point:
-    # the chart's exact-match panel shows one variant (default single), n and rate of that variant
+    # the chart's needle panels (exact match, log-probability) show one variant (default single)
     from kvq_eval.plot import figures
 
     _multiquery(folder)
@@ -257,6 +257,22 @@ def test_chart_plots_one_needle_variant(folder):
     assert labels == ["1K (n=12)"] and ys == [pytest.approx(7 / 12)]
     labels, ys = needle_points("multiquery")
     assert labels == ["1K (n=12)"] and ys == [0.0]
+
+    def logprob_points(variant):
+        # third panel: the answer's log-probability change against fp32, one point per entry and
+        # context, at the entry's stored bits, named at the longest context
+        ax = figures(res, "smollm2", variant)["quality_vs_bits"].axes[2]
+        labels = [t.get_text() for t in ax.get_legend().get_texts()]
+        pts = [(float(x), float(y)) for c in ax.containers for x, y in zip(*c.lines[0].get_data())]
+        return labels, pts, [t.get_text() for t in ax.texts]
+
+    # multi-query: every sample 1 nat below fp32, so the point is exactly -1 (zero-width interval)
+    labels, pts, names = logprob_points("multiquery")
+    assert labels == ["1K (n=12 paired)"] and pts == [(4.25, pytest.approx(-1.0))]
+    assert names == ["tq_mse4@none"]
+    # single: the fixture puts tq_mse4@none 0.5 nat below fp32 on each of its 12 samples
+    labels, pts, _ = logprob_points("single")
+    assert labels == ["1K (n=12 paired)"] and pts == [(4.25, pytest.approx(-0.5))]
     with pytest.raises(ValueError, match="variant"):
         figures(res, "smollm2", "multikey")
 
