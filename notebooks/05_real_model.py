@@ -29,7 +29,8 @@ else:
 
 # %% [markdown]
 # Quality against the stored bits as the cache holds them (band and calibrated tables included),
-# with 95 % intervals: bootstrap over perplexity windows, Wilson for needle exact match.
+# with 95 % intervals: bootstrap over perplexity windows, Wilson for needle exact match, and a
+# paired bootstrap for the answer's log-probability change against fp32 (the third panel).
 
 # %%
 charts.get("quality_vs_bits")
