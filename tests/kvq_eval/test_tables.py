@@ -264,15 +264,27 @@ def test_chart_plots_one_needle_variant(folder):
         ax = figures(res, "smollm2", variant)["quality_vs_bits"].axes[2]
         labels = [t.get_text() for t in ax.get_legend().get_texts()]
         pts = [(float(x), float(y)) for c in ax.containers for x, y in zip(*c.lines[0].get_data())]
-        return labels, pts, [t.get_text() for t in ax.texts]
+        return labels, pts, [(t.get_text(), tuple(map(float, t.xy))) for t in ax.texts]
 
     # multi-query: every sample 1 nat below fp32, so the point is exactly -1 (zero-width interval)
     labels, pts, names = logprob_points("multiquery")
     assert labels == ["1K (n=12 paired)"] and pts == [(4.25, pytest.approx(-1.0))]
-    assert names == ["tq_mse4@none"]
+    assert names == [("tq_mse4@none", (4.25, pytest.approx(-1.0)))]
     # single: the fixture puts tq_mse4@none 0.5 nat below fp32 on each of its 12 samples
     labels, pts, _ = logprob_points("single")
     assert labels == ["1K (n=12 paired)"] and pts == [(4.25, pytest.approx(-0.5))]
+    # a second context (3 multi-query samples at 4K, 2 nats below fp32): one point per context,
+    # and only the longest context's point is named
+    for s in range(3):
+        _write(folder / "smollm2", f"niah/multiquery_ctx4096_d0.5_s{s}.json", {
+            "variant": "multiquery", "context": 4096, "sample": s, "depth": 0.5, "results": {
+                "fp32": {"exact": 0, "logprob": -4.0}, "tq_mse4@none": {"exact": 0, "logprob": -6.0,
+                                                                       "bits_per_element": 4.1}}})
+    res = load_results(folder, "smollm2")
+    labels, pts, names = logprob_points("multiquery")
+    assert labels == ["1K (n=12 paired)", "4K (n=3 paired)"]
+    assert pts == [(4.25, pytest.approx(-1.0)), (4.1, pytest.approx(-2.0))]
+    assert names == [("tq_mse4@none", (4.1, pytest.approx(-2.0)))]
     with pytest.raises(ValueError, match="variant"):
         figures(res, "smollm2", "multikey")
 
