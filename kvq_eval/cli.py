@@ -124,7 +124,8 @@ def _cmd_run(args) -> int:
 
     previous = signal.signal(signal.SIGTERM, stop)
     try:
-        run_grid(**kw, calib_tokens=args.calib_tokens, ray=args.ray, num_gpus=args.ray_gpus, summary=summary)
+        run_grid(**kw, calib_tokens=args.calib_tokens, ray=args.ray, num_gpus=args.ray_gpus, summary=summary,
+                 reuse=args.reuse, reuse_only=args.reuse_only)
     except KeyboardInterrupt as exc:
         interrupted = str(exc) or "SIGINT"
     finally:
@@ -138,8 +139,11 @@ def _cmd_run(args) -> int:
             entry["interrupted"] = interrupted
         with log.open("a") as f:
             f.write(json.dumps(entry) + "\n")
+    reused = summary.get("reused")
     print(f"{summary.get('ran', 0)} cell(s) run, {summary.get('done_before', 0)} already done, of "
-          f"{summary.get('cells', 0)}; {wall:.0f} s" + (f" (interrupted: {interrupted})" if interrupted else ""))
+          f"{summary.get('cells', 0)}; {wall:.0f} s" + (f" (interrupted: {interrupted})" if interrupted else "")
+          + (f"; reused {', '.join(f'{n} {k}' for k, n in reused.items())}" if reused else "")
+          + (f"; {summary['left']} cell(s) left to compute" if "left" in summary else ""))
     return 130 if interrupted else 0
 
 
@@ -275,8 +279,16 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--calib-tokens", type=int, default=1024,
                    help="length of each of the 2 calibration sequences (calibrated methods)")
     r.add_argument("--out", default="results/eval_v2")
-    r.add_argument("--ray", default=None, help="run cells as Ray tasks: auto, ADDRESS, or local")
+    r.add_argument("--ray", default=None,
+                   help="run cells as Ray tasks: 'local' starts a Ray instance on this machine (no cluster needed); "
+                   "'auto' joins the running cluster (ray start --head first); or a cluster ADDRESS")
     r.add_argument("--ray-gpus", type=float, default=0.0, help="GPUs per Ray task")
+    r.add_argument("--reuse", default=None, metavar="OLD",
+                   help="an older results folder: copy what it holds of the missing cells on the same inputs "
+                   "(same needle samples, the same long perplexity windows, same calibration digests) before "
+                   "computing the rest; reused entries record reused_from")
+    r.add_argument("--reuse-only", action="store_true",
+                   help="with --reuse: copy what the older folder holds and compute nothing")
     r.add_argument("--dry-run", action="store_true",
                    help="compute nothing: list the grid's missing (task, entry) pairs and how many cells lack each")
     r.set_defaults(func=_cmd_run)
