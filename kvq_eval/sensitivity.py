@@ -61,17 +61,38 @@ def _token_ids(model: str, text: str):
     return load_tokenizer(model)(part(text), return_tensors="pt").input_ids[0]
 
 
-def window_ids(model: str, text: str, tokens: int, count: int, spread: bool) -> list:
-    """``count`` token-id windows (1, tokens) of text part ``text``: consecutive from its start, or
-    spread over it (``calib.token_chunks``)."""
-    from .calib import token_chunks
+@lru_cache(maxsize=64)
+def _spread_window(model: str, text: str, tokens: int, count: int, index: int):
+    from .models import load_tokenizer
+    from .text import part
 
+    words = part(text).split()
+    start = index * (len(words) // count)
+    # every word is at least one token, so `tokens` words hold enough; the window is their first tokens
+    chunk = " ".join(words[start:start + tokens])
+    ids = load_tokenizer(model)(chunk, return_tensors="pt").input_ids[0]
+    if len(words) // count < tokens or ids.numel() < tokens:
+        raise ValueError(f"text part {text!r} has {len(words)} words, too few for {count} disjoint windows of "
+                         f"{tokens} tokens")
+    return ids[:tokens].unsqueeze(0)
+
+
+def window_ids(model: str, text: str, tokens: int, count: int, spread: bool) -> list:
+    """``count`` token-id windows (1, tokens) of text part ``text``.
+
+    Consecutive windows (``spread=False``) are cut from the start of the tokenized part, as
+    ``calib.token_chunks`` cuts them. Spread windows (the validation's, over the 0.8M-token
+    ``long_haystack``) are the first ``tokens`` tokens of the text from word ``i * (words // count)``
+    on: only those words are tokenized (the whole part takes seconds), and two windows never share
+    text while ``count * tokens`` is below the part's word count.
+    """
+    if spread:
+        return [_spread_window(model, text, tokens, count, i) for i in range(count)]
     ids = _token_ids(model, text)
     if ids.numel() < tokens * count:
         raise ValueError(f"text part {text!r} has {ids.numel()} {model} tokens, need {tokens * count} "
                          f"({count} windows of {tokens})")
-    stride = ids.numel() // count if spread else tokens
-    return [ids[i * stride:i * stride + tokens].unsqueeze(0) for i in range(count)]
+    return [ids[i * tokens:(i + 1) * tokens].unsqueeze(0) for i in range(count)]
 
 
 def _ids_sha(ids) -> str:
