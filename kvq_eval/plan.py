@@ -7,17 +7,20 @@ the math of that choice: no model, no files.
 
 The model
 ---------
-``S[l, r, c]`` is the measured mean NLL change per token (nats) when only layer ``l``'s role ``r``
-(keys or values) is stored by candidate ``c`` and everything else is exact (``kvq_eval.sensitivity``).
-The additive model predicts the plan's change as the sum of its items::
+``S[l, r, c]`` is the measured loss per token (nats: KL(fp32 || quant) by default, or the NLL
+change) when only layer ``l``'s role ``r`` (keys or values) is stored by candidate ``c`` and
+everything else is exact (``kvq_eval.sensitivity``). The additive model predicts the plan's loss as
+the sum of its items::
 
-    dnll(plan) ~= sum_{l, r} S[l, r, plan[l, r]]
+    loss(plan) ~= sum_{l, r} S[l, r, plan[l, r]]
 
-It is the first-order term of the loss in the per-item perturbations: exact when the items' effects
-on the loss do not interact, and the validation of every plan on held-out windows
-(``kvq_eval.planner``) measures how far it is off and corrects the budget when it is. Model values
-are clipped at 0 (``model_losses``): a measured negative change is noise of one quantization
-realization and must not pay for other items' damage.
+For small perturbations the KL is a quadratic form in them, and the sum is exact when the items'
+perturbations are uncorrelated (independent seeded rotations per layer, head and role): the cross
+terms vanish in expectation. Where they do not (errors that compound through later layers, the
+softmax's nonlinearity at low bits), the validation of every plan on held-out windows
+(``kvq_eval.planner``) measures how far it is off and corrects the budget. Model values are
+clipped at 0 (``model_losses``): a measured negative NLL change is noise of one quantization
+realization and must not pay for other items' damage (a KL is never negative).
 
 Above the highest measured bit width of a TurboQuantMSE curve, a value can be extrapolated with the
 exact distortion curve: ``S(b) = S(b0) D(b) / D(b0)`` with ``D`` the Lloyd-Max MSE of

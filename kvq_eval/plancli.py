@@ -34,7 +34,7 @@ def _config(args, target: float):
     return SearchConfig(model=args.model, target=target / 100.0, candidates=parse_candidates(args.candidates),
                         band=_band(args.band), context=args.context, calib_windows=args.calib_windows,
                         valid_windows=args.valid_windows, stride=args.stride, rounds=args.rounds,
-                        extrapolate_above=args.extrapolate_above, check_model=not args.no_model_check,
+                        extrapolate_above=args.extrapolate_above, check_model=not args.no_model_check, metric=args.metric,
                         name=getattr(args, "name", None))
 
 
@@ -122,6 +122,8 @@ def _search_options(p, study: bool) -> None:
     p.add_argument("--rounds", type=int, default=4, help="most validation rounds of the correction")
     p.add_argument("--extrapolate-above", type=int, default=None, metavar="BITS",
                    help="predict TurboQuantMSE widths above BITS by the distortion ratio instead of measuring them")
+    p.add_argument("--metric", default="kl", choices=["kl", "dnll"],
+                   help="the additive model's items: KL(fp32 || quant) per token (default) or the NLL change")
     p.add_argument("--no-model-check", action="store_true",
                    help="skip simulating the chosen plan on the calibration windows")
     p.add_argument("--work", default=None, help="folder of the resumable cells (default: beside --out)")

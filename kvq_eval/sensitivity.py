@@ -18,12 +18,11 @@ How a layer cell is computed (exactly what the full simulation computes, faster)
   ``<cache>/reference/`` (``layer_inputs``; the earlier layers' forwards are replaced by the identity
   for that call). ``tests/kvq_eval/test_planner.py`` checks that this equals the forward from the
   token ids bit for bit;
-* the reference's per-position NLL and top-1 token are formed once per window (``_stats``); a cell
-  forms only its own logits, and only at every ``stride``-th position (``stride=1``: all): the
-  vocabulary head is most of a late layer's cost (Gemma-3's 262K-token vocabulary), and the mean
-  over a regular subsample of positions is an unbiased estimate of the window's mean. Cells record
-  the NLL change, not the KL divergence, which would need the reference's whole distribution at
-  every position (a second head pass per cell).
+* the logits (of the quantized and of the reference hidden states, ``runner._window_stats``) are
+  formed only at every ``stride``-th position (``stride=1``: all): the vocabulary head is most of a
+  late layer's cost (Gemma-3's 262K-token vocabulary), and the mean over a regular subsample of
+  positions is an unbiased estimate of the window's mean. A cell records the NLL change and
+  KL(fp32 || quant), both per token (``dnll``, ``kl_per_token``).
 
 Cells record the window's token-id digest, the band, the stride, the simulation version and
 ``provenance``; a stored cell whose settings differ from the unit's is refused (``ValueError``
@@ -195,45 +194,17 @@ def _hidden_from(ev, ids, layer: int, spec, inputs):
             return ev.model.model(inputs_embeds=h).last_hidden_state[0, :-1]
 
 
-_CHUNK = 512  # logit rows formed at a time (as runner._window_stats)
-
-
-def _scores(ev, hidden, target):
-    """Per position: NLL of ``target`` and the argmax of the logits of final hidden states, formed
-    in float64 ``_CHUNK`` rows at a time (``runner._window_stats``'s arithmetic)."""
-    import torch
-
-    nll, top = [], []
-    for lo in range(0, target.numel(), _CHUNK):
-        logits = ev._head(hidden[lo:lo + _CHUNK]).double()
-        nll.append(-torch.log_softmax(logits, -1).gather(1, target[lo:lo + _CHUNK, None])[:, 0])
-        top.append(logits.argmax(-1))
-    return torch.cat(nll), torch.cat(top)
-
-
-_REFERENCE: dict = {}
-
-
 def _stats(ev, ids, out, stride: int) -> dict:
-    """NLL of the quantized and the reference model at every ``stride``-th position, their change
-    per token (``dnll``) and per position bin, and top-1 agreement. The reference's scores are formed
-    once per window and process. KL(fp32 || quant) is not formed: it needs the reference's whole
-    distribution at every position, a second pass of the vocabulary head per cell."""
-    from .runner import POSITION_BINS, ids_sha256
+    """``runner._window_stats`` at every ``stride``-th position (NLL of the quantized and the
+    reference model, KL(fp32 || quant), top-1, per-bin changes), with the per-token means ``dnll``
+    and ``kl`` (nats per token)."""
+    from .runner import _window_stats
 
     rows = slice(stride - 1, None, stride)
-    target = ids[0, 1:][rows]
-    key = (ev.name, ids_sha256(ids), stride)
-    if key not in _REFERENCE:
-        _REFERENCE.clear()
-        _REFERENCE[key] = _scores(ev, ev._reference(ids)[rows], target)
-    nf, top_f = _REFERENCE[key]
-    nq, top_q = _scores(ev, out[rows], target)
-    d = (nq - nf).numpy()
-    bins = np.array_split(np.arange(d.size), POSITION_BINS)
-    n = int(target.numel())
-    return {"n": n, "nll_q": float(nq.sum()), "nll_f": float(nf.sum()), "dnll": float((nq.sum() - nf.sum()) / n),
-            "top1": int((top_q == top_f).sum()), "dnll_bins": [float(d[b].mean()) for b in bins]}
+    st = _window_stats(ev._reference(ids)[rows], out[rows], ids[0, 1:][rows], head=ev._head)
+    st["dnll"] = (st["nll_q"] - st["nll_f"]) / st["n"]
+    st["kl_per_token"] = st["kl"] / st["n"]
+    return st
 
 
 def _window(unit: dict):

@@ -22,7 +22,7 @@ def test_search_config_and_candidates_are_validated():
                       (dict(valid_windows=1), "valid_windows must be an integer >= 2"),
                       (dict(stride=8192), "stride must be below context"), (dict(slack=1.0), "slack must be"),
                       (dict(extrapolate_above=6, candidates=("tq_mse4",)), "tq_mse6 must be a"),
-                      (dict(model="llama"), "model must be one of")]:
+                      (dict(model="llama"), "model must be one of"), (dict(metric="mse"), "metric must be")]:
         with pytest.raises(ValueError, match=match):
             SearchConfig(**kw)
 
@@ -47,16 +47,16 @@ def test_layer_cell_is_the_full_forward_with_one_layer_simulated(ev):
     from kvq_eval.runner import _window_stats
     from kvq_eval.sensitivity import _hidden_from, _stats, layer_inputs, window_ids
 
-    ids = window_ids("smollm2", "calibration", 48, 2, False)[1]
+    ids = window_ids("smollm2", "calibration", 64, 2, False)[1]
     spec = layer_spec("tq_mse2", 11, "value", 4, 8)
     fast = _hidden_from(ev, ids, 11, spec, layer_inputs(ev, ids))
     assert torch.equal(fast, _hidden_from(ev, ids, 11, spec, None))
     assert not torch.equal(fast, ev._reference(ids))  # the layer was quantized
-    st, full = _stats(ev, ids, fast, 1), _window_stats(ev._reference(ids), fast, ids[0, 1:], head=ev._head)
-    assert (st["nll_q"], st["nll_f"], st["top1"], st["dnll_bins"]) == (full["nll_q"], full["nll_f"], full["top1"],
-                                                                       full["dnll_bins"])
-    every3 = _stats(ev, ids, fast, 3)
-    assert every3["n"] == 15 and every3["nll_f"] != st["nll_f"]
+    st = _stats(ev, ids, fast, 1)
+    assert st["dnll"] == (st["nll_q"] - st["nll_f"]) / 63 and st["kl_per_token"] == st["kl"] / 63 > 0
+    every3 = _stats(ev, ids, fast, 3)  # predictions 2, 5, ..., 62 of the 63
+    full = _window_stats(ev._reference(ids)[2::3], fast[2::3], ids[0, 1:][2::3], head=ev._head)
+    assert every3["n"] == 21 and (every3["nll_q"], every3["kl"]) == (full["nll_q"], full["kl"])
 
 
 @pytest.mark.model
