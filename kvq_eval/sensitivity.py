@@ -52,24 +52,29 @@ _KEY_FIELDS = ("kind", "model", "text", "tokens", "index", "ids_sha256", "band",
                "candidate", "layers", "simulation")
 
 
+@lru_cache(maxsize=None)
+def _tokenizer(model: str):
+    from .models import load_tokenizer
+
+    return load_tokenizer(model)  # seconds to load (Gemma-3's 262K-token vocabulary): once per process
+
+
 @lru_cache(maxsize=16)
 def _token_ids(model: str, text: str):
-    from .models import load_tokenizer
     from .text import part
 
-    return load_tokenizer(model)(part(text), return_tensors="pt").input_ids[0]
+    return _tokenizer(model)(part(text), return_tensors="pt").input_ids[0]
 
 
 @lru_cache(maxsize=64)
 def _spread_window(model: str, text: str, tokens: int, count: int, index: int):
-    from .models import load_tokenizer
     from .text import part
 
     words = part(text).split()
     start = index * (len(words) // count)
     # every word is at least one token, so `tokens` words hold enough; the window is their first tokens
     chunk = " ".join(words[start:start + tokens])
-    ids = load_tokenizer(model)(chunk, return_tensors="pt").input_ids[0]
+    ids = _tokenizer(model)(chunk, return_tensors="pt").input_ids[0]
     if len(words) // count < tokens or ids.numel() < tokens:
         raise ValueError(f"text part {text!r} has {len(words)} words, too few for {count} disjoint windows of "
                          f"{tokens} tokens")

