@@ -23,8 +23,11 @@ meets a perplexity target at a context length:
    the validated upper bound ``U`` misses the target ``tau``, or undershoots it by more than
    ``slack`` (a dearer-than-needed plan), the next budget is ``budget * tau / U`` (clamped to a
    factor 4 either way): the budget the model would need if the validated upper bound scaled with
-   it. At most ``rounds`` validations; the plan is the cheapest validated one whose upper bound
-   meets the target (if none does, the one with the lowest upper bound, marked as missing it).
+   it; once one budget met the target and another missed it, a step outside that bracket is
+   replaced by the bracket's geometric mean (``_next_budget``). The search stops when a budget
+   gives a plan already validated. At most ``rounds`` validations; the plan is the cheapest
+   validated one whose upper bound meets the target (if none does, the one with the lowest upper
+   bound, marked as missing it).
 5. **Model check** (``check_model``): the chosen plan is also simulated whole on the calibration
    windows, where the additive model's prediction is exactly the sum of the measured items, so the
    difference is the model's error alone (the validation mixes it with the change of text).
@@ -229,6 +232,22 @@ def _joint(cfg, work, layers, text, count, spread, ray, evaluator):
     return cells, [u["window"]["ids_sha256"] for u in units], sum(c["seconds"] for c in cells)
 
 
+def _next_budget(rounds: list[dict], tau: float) -> float:
+    """The correction's next budget (module Notes, step 4): the last budget times ``tau / U`` (a factor
+    4 at most either way), kept strictly inside the bracket of the budgets already validated (the
+    largest that met the target, the smallest that missed it) by their geometric mean otherwise."""
+    last = rounds[-1]
+    upper = last["validation"]["ci"][1]
+    step = min(4.0, max(0.25, tau / upper)) if upper > 0 else 4.0
+    budget = last["budget_nats"] * step
+    met = [r["budget_nats"] for r in rounds if r["meets_target"]]
+    missed = [r["budget_nats"] for r in rounds if not r["meets_target"]]
+    lo, hi = (max(met) if met else 0.0), (min(missed) if missed else math.inf)
+    if lo < hi and not lo < budget < hi and lo > 0 and hi < math.inf:
+        budget = math.sqrt(lo * hi)
+    return budget
+
+
 def search(cfg: SearchConfig, work, ray: str | None = None, progress: bool | None = None, log=print) -> Plan:
     """Find, validate and return the plan (module Notes); cells go under ``work`` (resumable).
 
@@ -276,11 +295,11 @@ def search(cfg: SearchConfig, work, ray: str | None = None, progress: bool | Non
         rounds.append(rnd)
         seen[layers] = k
         log(f"round {k}: budget {budget:.5f} nats -> {bits['bits_per_element']:.3f} bits, predicted "
-            f"{rnd['predicted_dppl']:+.3f} %, validated {q['dppl']:+.3f} % [{q['dppl_ci'][0]:+.3f}, {q['dppl_ci'][1]:+.3f}]")
-        upper = q["ci"][1]
-        if tau * (1 - cfg.slack) <= upper <= tau:
+            f"{rnd['predicted_dppl']:+.3f} %{'' if alloc.feasible else ' (the least the candidates reach)'}, "
+            f"validated {q['dppl']:+.3f} % [{q['dppl_ci'][0]:+.3f}, {q['dppl_ci'][1]:+.3f}]")
+        if tau * (1 - cfg.slack) <= q["ci"][1] <= tau:
             break
-        budget *= min(4.0, max(0.25, tau / upper)) if upper > 0 else 4.0
+        budget = _next_budget(rounds, tau)
     ok = [r for r in rounds if r["meets_target"]]
     chosen = min(ok, key=lambda r: (r["bits_per_element"], r["validation"]["ci"][1])) if ok else \
         min(rounds, key=lambda r: r["validation"]["ci"][1])

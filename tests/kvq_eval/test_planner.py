@@ -170,3 +170,22 @@ def test_gemma_cells_and_search(tmp_path, capsys):
     assert rc in (0, 3) and "sensitivity: 36 cells" in capsys.readouterr().out
     plan = load_plan(out, model="gemma3")
     assert plan.layers == (("tq_mse3", "tq_mse3"),) * 18 and list(plan.record["rates"]["tq_mse3"].values()) == [3.0625] * 2
+
+
+def test_budget_correction_scales_and_brackets():
+    import math
+
+    from kvq_eval.planner import _next_budget
+
+    tau = math.log1p(0.01)
+
+    def rnd(budget, upper):
+        return {"budget_nats": budget, "validation": {"ci": [0.0, upper]}, "meets_target": upper <= tau}
+
+    assert _next_budget([rnd(tau, 2 * tau)], tau) == pytest.approx(tau / 2)      # missed by 2x: half the budget
+    assert _next_budget([rnd(tau, tau / 2)], tau) == pytest.approx(2 * tau)      # met with room: double it
+    assert _next_budget([rnd(tau, 100 * tau)], tau) == pytest.approx(tau / 4)    # a factor 4 at most
+    assert _next_budget([rnd(tau, -1e-3)], tau) == pytest.approx(4 * tau)        # no measurable loss
+    # missed at tau, met at tau/2 with room: the ratio step (tau) would leave the bracket -> its middle
+    got = _next_budget([rnd(tau, 1.5 * tau), rnd(tau / 2, 0.5 * tau)], tau)
+    assert got == pytest.approx(math.sqrt(tau * tau / 2))
