@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 OUT    := out
 
-.PHONY: demo test venv tables theory bench clean eval eval-deps notebooks
+.PHONY: demo test venv tables theory bench clean eval eval-deps notebooks plan-study
 
 venv: $(STAMP)
 
@@ -71,6 +71,18 @@ eval: $(STAMP)
 	  --out $(EVAL_OUT)/$$m/sink_tq3_w64.json; done
 	[ -n "$(DRY)" ] || for m in smollm2 gemma3; do $(VENV)/bin/kvq-eval plot $(EVAL_OUT) --model $$m -o $(EVAL_OUT)/$$m || exit 1; done
 	[ -n "$(DRY)" ] || for m in smollm2 gemma3; do $(VENV)/bin/kvq-eval plot $(EVAL_OUT) --model $$m --variant multiquery -o $(EVAL_OUT)/$${m}_multiquery || exit 1; done
+
+# The planner's study (kvq-plan study, docs/plan.md), resumable, after `make eval`: its uniform
+# baselines are the 8K cells of $(EVAL_OUT). RAY=local|auto as above; `make plan-study DRY=1` counts
+# the cells each model still needs. Gemma-3 scores every 4th position (its 262K-token vocabulary
+# head is most of a cell's cost).
+PLAN_OUT := results/plan
+PLAN_STUDY = $(VENV)/bin/kvq-plan study $(if $(RAY),--ray $(RAY)) $(if $(DRY),--dry-run) --targets 0.5,1,3 \
+	--band 0,64 --candidates tq_mse2-8 --extrapolate-above 6 --baseline $(EVAL_OUT) --out $(PLAN_OUT)
+plan-study: $(STAMP)
+	$(PLAN_STUDY) --model smollm2
+	$(PLAN_STUDY) --model gemma3 --stride 4
+	[ -n "$(DRY)" ] || for m in smollm2 gemma3; do $(VENV)/bin/kvq-plan plot $(PLAN_OUT)/$$m/study.json -o $(PLAN_OUT)/$$m/study || exit 1; done
 
 # The demo writes only under $(OUT)/ (ignored by git): regenerated curves differ from the committed
 # results/theory/ in last digits across machines (BLAS, libm), so a demo run never dirties the checkout.

@@ -96,6 +96,8 @@ def _cmd_study(args) -> int:
     from .planstudy import run_study
 
     targets = parse_float_list(args.targets, "--targets")
+    if args.dry_run:
+        return _dry_run(_config(args, targets[0]), Path(args.out))  # every target shares the sensitivity cells
     path = run_study([_config(args, t) for t in targets], Path(args.out), Path(args.baseline), ray=args.ray,
                      needles=args.needles, needle_contexts=tuple(int(c) for c in args.needle_contexts.split(",") if c),
                      eval_windows=args.eval_windows, progress=args.progress)
@@ -152,6 +154,7 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--needles", type=int, default=30, help="needle samples per context (multiple of 5; 0: none)")
     t.add_argument("--needle-contexts", default="4096,8192")
     t.add_argument("--out", required=True, help="study folder (plans, cells, eval/ and <model>/study.json)")
+    t.add_argument("--dry-run", action="store_true", help="only count the cells the searches need")
     t.set_defaults(func=_cmd_study)
     q = sub.add_parser("plot", help="the study's chart from its JSON")
     q.add_argument("study", help="a study.json")

@@ -71,7 +71,7 @@ def ids_sha256(ids) -> str:
     return hashlib.sha256(np.ascontiguousarray(ids.numpy(), dtype="<i8").tobytes()).hexdigest()
 
 
-def _window_stats(ref, out, target, chunk: int = 512, head=None) -> dict:
+def _window_stats(ref, out, target, chunk: int = 512, head=None, ref_logits: bool = False) -> dict:
     """Summed NLL of the quantized and the fp32 logits, KL(fp32 || quant), top-1 agreement and the
     NLL/KL change per position bin, for logits (T, vocab) predicting ``target`` (T,).
 
@@ -79,6 +79,8 @@ def _window_stats(ref, out, target, chunk: int = 512, head=None) -> dict:
     would otherwise hold several 3 GiB arrays at once. With ``head`` (``Evaluator._head``),
     ``ref`` and ``out`` are final hidden states (T, hidden) and each chunk's logits are formed
     here: an 8K window of Gemma's 262K-token vocabulary never holds its 8.6 GB of logits.
+    ``ref_logits``: ``ref`` already holds the reference's logits (the planner's cells share one
+    window's reference across many cells, ``kvq_eval.sensitivity``).
     """
     import torch
 
@@ -86,7 +88,7 @@ def _window_stats(ref, out, target, chunk: int = 512, head=None) -> dict:
     for lo in range(0, target.numel(), chunk):
         r, o, tg = ref[lo:lo + chunk], out[lo:lo + chunk], target[lo:lo + chunk]
         if head is not None:
-            r, o = head(r), head(o)
+            r, o = (r if ref_logits else head(r)), head(o)
         r, o = r.double(), o.double()
         lp, lq = torch.log_softmax(r, -1), torch.log_softmax(o, -1)
         nf.append(-lp.gather(1, tg[:, None])[:, 0])
