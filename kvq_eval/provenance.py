@@ -38,13 +38,15 @@ def _code() -> str | None:
 
 
 def environment() -> dict:
-    """Protocol, code commit, thread counts (torch, Numba, ``OMP_NUM_THREADS``) and versions."""
+    """Protocol, code commit, the CPU kernels torch dispatches to (``cpu``: e.g. ``AVX512``), thread
+    counts (torch, Numba, ``OMP_NUM_THREADS``) and versions: what the float32 forward's last bits
+    depend on (and quantized results amplify)."""
     import numba
     import numpy
     import torch
     import transformers
 
-    return {"protocol": PROTOCOL, "code": _code(),
+    return {"protocol": PROTOCOL, "code": _code(), "cpu": torch.backends.cpu.get_cpu_capability(),
             "threads": {"torch": torch.get_num_threads(), "numba": numba.get_num_threads(),
                         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")},
             "versions": {"numpy": numpy.__version__, "torch": torch.__version__,
