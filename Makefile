@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 OUT    := out
 
-.PHONY: demo test venv tables theory bench clean eval eval-deps notebooks
+.PHONY: demo test venv tables theory bench clean eval eval-deps notebooks repro
 
 venv: $(STAMP)
 
@@ -71,6 +71,14 @@ eval: $(STAMP)
 	  --out $(EVAL_OUT)/$$m/sink_tq3_w64.json; done
 	[ -n "$(DRY)" ] || for m in smollm2 gemma3; do $(VENV)/bin/kvq-eval plot $(EVAL_OUT) --model $$m -o $(EVAL_OUT)/$$m || exit 1; done
 	[ -n "$(DRY)" ] || for m in smollm2 gemma3; do $(VENV)/bin/kvq-eval plot $(EVAL_OUT) --model $$m --variant multiquery -o $(EVAL_OUT)/$${m}_multiquery || exit 1; done
+
+# The committed NOVA-KV needle cell that tests/kvq_eval/test_reproduce.py recomputes on every CI run
+# (a 1024-token calibration, so that the test takes about a minute).
+REPRO_RUN := $(VENV)/bin/kvq-eval run --model smollm2 --methods tq_mse3,nova --band none --band 1,0 --tasks niah \
+	--variants single --ctx 1024 --depths 0.5 --samples 1 --calib-tokens 1024 --out results/repro
+repro: $(STAMP)
+	rm -rf results/repro
+	$(REPRO_RUN)
 
 # The demo writes only under $(OUT)/ (ignored by git): regenerated curves differ from the committed
 # results/theory/ in last digits across machines (BLAS, libm), so a demo run never dirties the checkout.
