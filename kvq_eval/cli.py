@@ -3,9 +3,11 @@
 Examples
 --------
 kvq-eval run --model smollm2 --methods tq_mse4,nova --ctx 1024,4096,8192 --band none --band 64,256
-kvq-eval plot results/eval_v2 --model smollm2 -o results/eval_v2/smollm2
-kvq-eval table results/eval_v2 --model smollm2
-kvq-eval compare results/eval_v2 tq_mse4@none fp32
+kvq-eval plot results/eval_v3 --model smollm2 -o results/eval_v3/smollm2
+kvq-eval table results/eval_v3 --model smollm2
+kvq-eval compare results/eval_v3 tq_mse4@none fp32
+kvq-eval recommend results/eval_v3 --model gemma3
+kvq-eval readme README.md docs/evaluation.md --check
 kvq-eval capture --model smollm2 --tokens 1024 --sequences 2 --out qkv.safetensors
 """
 
@@ -198,16 +200,31 @@ def _cmd_compare(args) -> int:
 
 
 def _cmd_readme(args) -> int:
-    from .readme import refresh_readme_file
+    from .readme import refresh_file
 
-    changed = refresh_readme_file(args.readme, args.results, check=args.check)
+    stale = []
+    for f in args.files:
+        if refresh_file(f, args.results, check=args.check):
+            stale.append(f)
     if args.check:
-        if changed:
-            print(f"{args.readme}: tables differ from {args.results} (run kvq-eval readme to refresh them)")
-            return 1
-        print(f"{args.readme}: tables match {args.results}")
-    else:
-        print(f"{args.readme}: {'tables refreshed' if changed else 'tables already current'}")
+        for f in stale:
+            print(f"{f}: tables differ from {args.results} (run kvq-eval readme to refresh them)")
+        if not stale:
+            print(f"{', '.join(args.files)}: tables match {args.results}")
+        return 1 if stale else 0
+    for f in args.files:
+        print(f"{f}: {'tables refreshed' if f in stale else 'tables already current'}")
+    return 0
+
+
+def _cmd_recommend(args) -> int:
+    from .plot import load_results
+    from .recommend import parse_targets, recommend_table
+
+    targets = parse_targets(args.targets)
+    if args.tokens < 16:
+        raise ValueError(f"--tokens must be at least 16, got {args.tokens}")
+    print(recommend_table(load_results(args.results, args.model), targets, args.tokens))
     return 0
 
 
@@ -278,7 +295,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--decode", default="1024,512,1", help="long decode: PREFIX,NEW,WINDOWS tokens")
     r.add_argument("--calib-tokens", type=int, default=1024,
                    help="length of each of the 2 calibration sequences (calibrated methods)")
-    r.add_argument("--out", default="results/eval_v2")
+    r.add_argument("--out", default="results/eval_v3")
     r.add_argument("--ray", default=None,
                    help="run cells as Ray tasks: 'local' starts a Ray instance on this machine (no cluster needed); "
                    "'auto' joins the running cluster (ray start --head first); or a cluster ADDRESS")
@@ -312,9 +329,9 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--decode", action="store_true",
                    help="instead: the long decodes (perplexity change over the generated tokens, KL, top-1)")
     t.set_defaults(func=_cmd_table)
-    k = sub.add_parser("compare", help="two entries on their shared perplexity windows and long decodes (paired bootstrap "
-                       "over (window, position bin) blocks) and needle samples (McNemar's exact test on exact "
-                       "match, paired bootstrap on log-probability) (Markdown)")
+    k = sub.add_parser("compare", help="two entries on their shared perplexity windows and long decodes and needle "
+                       "samples: paired t interval, paired t and exact sign-flip p over windows (samples); McNemar's "
+                       "exact test on needle exact match (Markdown)")
     k.add_argument("results", help="results folder (the --out of run)")
     k.add_argument("a", help="entry, e.g. tq_mse4@none")
     k.add_argument("b", help="entry to compare against, e.g. fp32")
@@ -322,11 +339,19 @@ def _parser() -> argparse.ArgumentParser:
     k.add_argument("--variant", default="single", choices=VARIANTS,
                    help="needle variant of the paired needle samples (default single; 'all' pools them)")
     k.set_defaults(func=_cmd_compare)
-    m = sub.add_parser("readme", help="recompute the README's evaluation tables from the JSON")
-    m.add_argument("readme", nargs="?", default="README.md")
-    m.add_argument("--results", default="results/eval_v2", help="results folder (the --out of run)")
+    m = sub.add_parser("readme", help="recompute the marked tables of Markdown files (README, docs) from the JSON")
+    m.add_argument("files", nargs="*", default=["README.md", "docs/evaluation.md"],
+                   help="Markdown files with '<!-- kvq-eval ... -->' markers (default: README.md docs/evaluation.md)")
+    m.add_argument("--results", default="results/eval_v3", help="results folder (the --out of run)")
     m.add_argument("--check", action="store_true", help="only compare: exit 1 when a table is stale")
     m.set_defaults(func=_cmd_readme)
+    w = sub.add_parser("recommend", help="the cheapest stored-bits setting within perplexity targets (upper end of "
+                       "the 95%% interval), with and without a 16-bit band, and its needle recall (Markdown)")
+    w.add_argument("results", nargs="?", default="results/eval_v3", help="results folder (the --out of run)")
+    w.add_argument("--model", default="smollm2")
+    w.add_argument("--targets", default="0.5,1,3", help="perplexity increases over fp32, in %% (comma list)")
+    w.add_argument("--tokens", type=int, default=8192, help="window length the targets apply to")
+    w.set_defaults(func=_cmd_recommend)
     c = sub.add_parser("capture", help="exact post-RoPE Q/K/V for kvq-codebooks calibrate")
     c.add_argument("--model", default="smollm2", choices=["smollm2", "gemma3"])
     c.add_argument("--tokens", type=int, default=1024)
