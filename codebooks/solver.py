@@ -46,7 +46,7 @@ from .empirical import Empirical
 
 __all__ = ["lloyd_max", "DEFAULT_TOL"]
 
-#: Converged means max_i |c_i - centroid_i| <= DEFAULT_TOL * std(X).
+#: Converged means ``max_i |c_i - centroid_i| <= DEFAULT_TOL * std(X)``.
 DEFAULT_TOL = 1e-13
 _EPS = np.finfo(np.float64).eps
 _POLISH_STEPS = 3

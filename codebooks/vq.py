@@ -30,7 +30,7 @@ previous centroid. The recorded history is non-increasing:
 
 Hence ``J_{t+1} = J(a_{t+1}, C_{t+1}, p_{t+1}) <= J(a_t, C_{t+1}, p_{t+1}) <= J(a_t, C_t, p_t) = J_t``
 in exact arithmetic. In floating point it holds up to rounding: a computed mean is off by
-~eps |c|, which can raise D by ~eps^2 |x|^2 (from 0, say, when every point sits on a centroid),
+``~eps |c|``, which can raise D by ``~eps^2 |x|^2`` (from 0, say, when every point sits on a centroid),
 and the sums add ~N eps D; the means are computed in two passes (sum, then the mean residual) to
 keep this small. The loop stops early when an assignment repeats the previous one: the means are
 a function of the assignment alone, so the next update would reproduce the same centroids and
