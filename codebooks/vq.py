@@ -2,7 +2,7 @@
 
 Notes
 -----
-NOVA-KV (REFERENCE.md section 9) stores a per-token RMS gain and codes the gain-normalized
+NOVA-KV (:ref:`ref-nova-kv`) stores a per-token RMS gain and codes the gain-normalized
 transform coefficients ("shapes") in groups of ``g = 4`` with one ``2**(2 g) = 256``-centroid
 codebook per group, trained by 25 k-means iterations on calibration tokens.
 
@@ -50,7 +50,7 @@ from ._validate import check_int, finite_array
 __all__ = ["VQCodebook", "kmeans", "ecvq", "kmeans_pp_init", "gain_shape_split", "train_group_codebooks",
            "KMEANS_ITERATIONS", "SEED_STRIDE", "MAX_CODE_BITS"]
 
-#: NOVA-KV's released number of k-means iterations (REFERENCE.md section 9).
+#: NOVA-KV's released number of k-means iterations (:ref:`ref-nova-kv`).
 KMEANS_ITERATIONS = 25
 #: Group ``j``'s codebook in ``train_group_codebooks`` is seeded with ``seed * SEED_STRIDE + j``.
 SEED_STRIDE = 100003

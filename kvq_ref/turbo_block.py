@@ -2,7 +2,7 @@
 
 Notes
 -----
-REFERENCE.md section 5. One block is one vector of ``block`` values (128: one attention head);
+:ref:`ref-llama-cpp-blocks`. One block is one vector of ``block`` values (128: one attention head);
 ``dim == block``. The layout, sign vectors, tables and rules come from a profile
 (``kvq_ref.turbo_profiles``; records in ``kvq_ref/data/turbo_profiles.json``). Shipped:
 
