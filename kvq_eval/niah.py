@@ -2,7 +2,7 @@
 
 Notes
 -----
-REFERENCE.md section 10 (RULER). A needle is "One of the special magic numbers for {key} is:
+:ref:`ref-niah` (RULER). A needle is "One of the special magic numbers for {key} is:
 {value}." with an adjective-noun key and a 7-digit value, inserted at a depth (fraction of the
 filler) between sentences of a KJV haystack (``haystack_part``): prompts of up to
 ``text.SHORT_HAYSTACK_MAX`` tokens take their filler from the ``haystack`` part (Genesis 30 %

@@ -2,7 +2,7 @@
 
 Notes
 -----
-The format is that of ``../shared/interop/README.md``: ``<DIR>/<method>/golden.json`` =
+The format is the interop golden format (``docs/fidelity.md``; ``tests/interop/data/README.md``): ``<DIR>/<method>/golden.json`` =
 ``{method, source, variant, seed, shared?, cases: [{id, family, params, inputs, outputs, notes}]}``,
 every array ``{dtype, shape, b64}`` (base64 of the little-endian bytes in C order), and
 ``facts.json`` naming the generator and the rules (the module Notes of ``kvq_ref.official``,
@@ -243,7 +243,7 @@ def golden(method: str, seed: int = 0) -> tuple[dict, dict]:
     g["cases"] = cases
     facts = {"method": method, "source": {"generator": source, "rules": f"module Notes of kvq_ref.official and "
                                           f"kvq_ref.{ {'oscar': 'nova'}.get(method, method)}"},
-             "golden_format": "as ../shared/interop/README.md: arrays {dtype, shape, b64} of little-endian C-order bytes",
+             "golden_format": "as tests/interop/data/README.md: arrays {dtype, shape, b64} of little-endian C-order bytes",
              "tolerance": "as the official facts.json of the same method"}
     return _tree(g), facts
 

@@ -2,7 +2,7 @@
 
 Notes
 -----
-REFERENCE.md section 9. Both read a calibrated ``codebooks.nova.NovaHead``.
+:ref:`ref-nova-kv`, :ref:`ref-oscar`. Both read a calibrated ``codebooks.nova.NovaHead``.
 
 NOVA-KV, role "key": ``c = (k - mu_k) S V`` (generalized Parseval: squared error in c is logit
 error), gain ``gamma = rms(c)`` and shape ``c / gamma_stored``; each equal-volume group of ``g``
@@ -33,7 +33,7 @@ and the relative logit error to 0.0084 / 0.0117 (-12 %); ``values="vq"`` stores 
 bits and lowers the value error from 0.119 / 0.126 to 0.044 / 0.044 (relative MSE) and the
 attention-output error with exact keys from 0.119 / 0.125 to 0.069 / 0.073.
 
-OSCAR (official behaviour: ``../shared/interop/oscar/facts.json``, OSCAR commit 473ff3f; the defaults
+OSCAR (official behaviour: :ref:`ref-oscar`, ``tests/interop/data/oscar/``, OSCAR commit 473ff3f; the defaults
 reproduce it bit for bit given the rotated rows, ``tests/interop/test_oscar.py``): ``y = x R`` with the
 calibrated ``R = U H P_br``, computed as the release does in bfloat16 (``rows="bfloat16"``: ``y =
 bf16(bf16(x) bf16(R))``); each row is clipped symmetrically at the order statistic of ``|y|`` with

@@ -2,8 +2,8 @@
 
 Notes
 -----
-Each function reproduces one official code path bit for bit (the rules and their sources are in
-``../shared/interop/<method>/facts.json``; ``tests/interop`` checks every golden case). Notation:
+Each function reproduces one official code path bit for bit (the rules and their sources: :ref:`ref-kivi`,
+:ref:`ref-quarot`, :ref:`ref-oscar`; ``tests/interop`` checks every golden case). Notation:
 ``f16(v)``, ``f32(v)``, ``bf16(v)`` round to the nearest float16 / float32 / bfloat16, ties to even;
 ``rhe`` is round half to even (``np.rint``, torch.round). numpy evaluates one float16 operation in
 float32 and rounds once to float16, which equals the correctly rounded float16 result (float32 has

@@ -2,7 +2,7 @@
 
 Notes
 -----
-REFERENCE.md section 5. One block is one vector of ``block`` values (128: one attention head);
+:ref:`ref-llama-cpp-blocks`. One block is one vector of ``block`` values (128: one attention head);
 ``dim == block``. The layout, sign vectors, tables and rules come from a profile
 (``kvq_ref.turbo_profiles``; records in ``kvq_ref/data/turbo_profiles.json``). Shipped:
 
@@ -10,9 +10,9 @@ REFERENCE.md section 5. One block is one vector of ``block`` values (128: one at
 profile                reproduces                        signs       tables                  rules
 =====================  ===============================  ==========  ======================  ==================
 fork@69d8e4be          the fork at 69d8e4be (default)   the fork's  the fork's (float32)    float32, tie high
-fork@69d8e4be+exact    the fork at 69d8e4be built with   the fork's  Lloyd-Max (float32)     float32, tie high
+fork@69d8e4be+exact    the fork at 69d8e4be built with  the fork's  Lloyd-Max (float32)     float32, tie high
                        ``kvq-codebooks export`` tables
-kvq                    this toolkit's earlier blocks     seeded      Lloyd-Max (float64)     float64, tie low
+kvq                    this toolkit's earlier blocks    seeded      Lloyd-Max (float64)     float64, tie low
 =====================  ===============================  ==========  ======================  ==================
 
 Encoding, every profile (norm correction: the decoded norm is the input norm)::

@@ -2,7 +2,7 @@
 
 Notes
 -----
-REFERENCE.md section 4. ``TurboQuantMSE`` stores ``||x||`` (or the norm-correction scale
+:ref:`ref-turboquant`. ``TurboQuantMSE`` stores ``||x||`` (or the norm-correction scale
 ``||x|| / ||c_hat||``) and the ``bits``-bit index of every coordinate of ``y = R x / ||x||`` in the
 exact Lloyd-Max table of SphereMarginal(d) (``codebooks``); it decodes ``R^T c[idx] * scale``.
 Queries are rotated once (``<q, x_hat> = <R q, c[idx]> * scale``) and weighted sums of values are

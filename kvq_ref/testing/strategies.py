@@ -1,7 +1,7 @@
 """Hypothesis strategies for realistic K/V: offsets, outlier channels, heavy tails, zeros, ties.
 
-Real keys have per-channel offsets and a few channels 10-60x larger than the median (REFERENCE.md
-section 9; Gemma's global layers reach 63x), tokens with heavy-tailed norms, and exact zeros; kernels
+Real keys have per-channel offsets and a few channels 10-60x larger than the median (:ref:`ref-oscar`,
+:ref:`ref-nova-kv`; Gemma's global layers reach 63x), tokens with heavy-tailed norms, and exact zeros; kernels
 break on exactly these: a zero row puts every rotated coordinate on the middle threshold, and
 values exactly on a threshold or a half step test the tie rules.
 """

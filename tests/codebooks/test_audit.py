@@ -114,7 +114,7 @@ def _plain_lloyd(density, bits, iterations):
 
 @pytest.mark.parametrize("bits", [6, 7])
 def test_audit_quantifies_early_stopped_lloyd(bits):
-    """300 Lloyd iterations leave a visible excess at 6-7 bits (REFERENCE.md section 2)."""
+    """300 Lloyd iterations leave a visible excess at 6-7 bits (docs/references/quantization.md)."""
     dens = SphereMarginal(128)
     rep = audit(dens, _plain_lloyd(dens, bits, 300))
     assert rep.excess_percent > 1.0

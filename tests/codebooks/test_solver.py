@@ -337,7 +337,7 @@ def test_codebook_is_frozen_and_quantizes_with_lower_tie_rule():
         cb.dequantize(np.array([0.5]))
 
 
-# REFERENCE.md section 2: N(0,1) optima computed independently to >= 16 digits
+# docs/references/quantization.md: N(0,1) optima computed independently to >= 16 digits
 KNOWN_GAUSSIAN = {
     1: (0.36338022763241866, [0.7978845608028654]),
     2: (0.11748184782932929, [0.452780034636492, 1.510417608499095]),

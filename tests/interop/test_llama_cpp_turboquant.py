@@ -1,8 +1,8 @@
 """Golden tests: TurboBlock against the llama.cpp TurboQuant fork's CPU reference.
 
-Reads ``<interop>/llama-cpp-turboquant/facts.json`` and every ``golden*.json`` beside it
-(``<interop>`` = ``$KVQ_INTEROP_DIR``, default ``../shared/interop`` beside the repository root),
-made by running the fork's compiled ``quantize_row_turbo{2,3,4}_0_ref``. Checks:
+Reads ``tests/interop/data/llama-cpp-turboquant/facts.json``, the ``golden*.json`` beside it and
+those of ``$KVQ_INTEROP_DIR/llama-cpp-turboquant/`` (same revision, same facts), made by running the
+fork's compiled ``quantize_row_turbo{2,3,4}_0_ref``. Checks:
 
 * the shipped profile of the golden file's commit is exactly what facts.json states (signs,
   float32 tables, layout sizes, the 1e-10 limit, the float32 1/sqrt(128));
@@ -25,16 +25,10 @@ import pytest
 from kvq_ref.turbo_block import TurboBlock
 from kvq_ref.turbo_profiles import get_profile, parse_f32, profile_names
 
-from .golden_format import interop_dir
+from .golden_format import DATA, file_label, golden_files
 
-INTEROP = interop_dir()
-FOLDER = INTEROP / "llama-cpp-turboquant"
+FOLDER = DATA / "llama-cpp-turboquant"  # the bundled set: the fork at 69d8e4be
 FMTS = {"turbo2": 2, "turbo3": 3, "turbo4": 4}
-
-if not INTEROP.is_dir():
-    pytest.skip(f"no golden files: interop folder {INTEROP} is absent (set KVQ_INTEROP_DIR)", allow_module_level=True)
-if not FOLDER.is_dir():
-    pytest.skip(f"{INTEROP} holds no llama-cpp-turboquant/ golden set", allow_module_level=True)
 
 
 # --- loading golden data: this set's inputs are bare base64 strings of little-endian float32 (not
@@ -49,7 +43,7 @@ def _json(path: Path) -> dict:
 
 
 FACTS = _json(FOLDER / "facts.json")
-GOLDEN_FILES = sorted(FOLDER.glob("golden*.json"))
+GOLDEN_FILES = golden_files("llama-cpp-turboquant")
 
 
 def _commit(source: str) -> str:
@@ -67,8 +61,11 @@ def _profile_for(commit: str):
                 "kvq_ref/data/turbo_profiles.json")
 
 
-@pytest.fixture(scope="module", params=GOLDEN_FILES, ids=[p.name for p in GOLDEN_FILES])
+@pytest.fixture(scope="module", params=GOLDEN_FILES, ids=[file_label(p) for p in GOLDEN_FILES])
 def golden(request):
+    beside = request.param.parent / "facts.json"
+    if beside.is_file() and _json(beside) != FACTS:
+        pytest.fail(f"{beside} differs from the bundled facts: these tests decode with the 69d8e4be facts only")
     doc = _json(request.param)
     assert doc["cases"], f"{request.param} has no cases"
     prof = _profile_for(_commit(doc["source"]))

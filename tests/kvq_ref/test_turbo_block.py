@@ -27,7 +27,7 @@ FMTS = ("turbo2", "turbo3", "turbo4")
 # (profile, fmt, block): the fork profiles hold 128 values per block, profile kvq also 32
 CASES = [(p, f, 128) for p in PROFILES for f in FMTS] + [(KVQ, f, 32) for f in FMTS]
 IDS = [f"{p}-{f}-{b}" for p, f, b in CASES]
-# bytes per block and bits per value: REFERENCE.md section 5 and the module docstring
+# bytes per block and bits per value: docs/references/turboquant.md and the module docstring
 LAYOUT = {("turbo2", 128): (34, 2.125), ("turbo3", 128): (50, 3.125), ("turbo4", 128): (68, 4.25),
           ("turbo2", 32): (10, 2.5), ("turbo3", 32): (14, 3.5), ("turbo4", 32): (18, 4.5)}
 U32 = 2.0**-24  # float32 unit roundoff
@@ -77,8 +77,8 @@ def _rotation_matrix(tb: TurboBlock) -> np.ndarray:
 
 
 def _table(tb: TurboBlock):
-    """(levels, thresholds) float64 from outside kvq_ref: the fork's 6-decimal tables (REFERENCE /
-    facts: the fork's float32 literals) or the exact lloyd_max table (the spec's: correctly
+    """(levels, thresholds) float64 from outside kvq_ref: the fork's 6-decimal tables (the
+    fork's facts: its float32 literals) or the exact lloyd_max table (the spec's: correctly
     rounded) rounded like the profile's arithmetic."""
     if tb.spec.tables is None:
         cb = lloyd_max(SphereMarginal(tb.block), tb.bits, exact=True)
@@ -305,7 +305,7 @@ def test_unit_vector_mse_matches_the_table(case):
     3. The mean of e_nc equals an independent Monte Carlo of the same estimator (fresh unit
        vectors quantized in the rotated domain straight from the table) within 4.5 combined SE.
     Measured E[e_nc] / (block * mse) - 1 under kvq: +2.7%, -0.3%, -1.7% for turbo2/3/4 at 128
-    (REFERENCE: +2.4%, -0.4%, -1.5%) and +0.2%, -4.3%, -6.8% at 32 values.
+    (docs/references/turboquant.md: +2.4%, -0.4%, -1.5%) and +0.2%, -4.3%, -6.8% at 32 values.
     """
     tb = _tb(case, seed=3) if case[0] == KVQ else _tb(case)
     block = tb.block
