@@ -10,8 +10,9 @@ REFERENCE.md section 5. One block is one vector of ``block`` values (128: one at
 profile                reproduces                        signs       tables                  rules
 =====================  ===============================  ==========  ======================  ==================
 fork@69d8e4be          the fork at 69d8e4be (default)   the fork's  the fork's (float32)    float32, tie high
-fork@69d8e4be+exact    the fork at 69d8e4be built with   the fork's  Lloyd-Max (float32)     float32, tie high
-                       ``kvq-codebooks export`` tables
+fork@69d8e4be+exact    the fork at 69d8e4be rewritten    the fork's  Lloyd-Max (float32)     float32, tie high
+                       by ``kvq-codebooks export
+                       --apply-to``
 kvq                    this toolkit's earlier blocks     seeded      Lloyd-Max (float64)     float64, tie low
 =====================  ===============================  ==========  ======================  ==================
 
@@ -91,7 +92,7 @@ from codebooks import Codebook, SphereMarginal
 from .common import Encoded, RotatedQuantizer, as_array, check_shape, codebook
 from .rotations import STREAM_MISC, HadamardRotation, rng
 from .turbo_profiles import DEFAULT_PROFILE, FORMATS, TurboProfile, get_profile
-from .turboquant import quantize_rotated
+from .turboquant import quantize_rotated, rotated_unit
 
 __all__ = ["TurboBlock", "FORMATS", "DEFAULT_PROFILE"]
 
@@ -331,15 +332,26 @@ class TurboBlock(RotatedQuantizer):
         return enc
 
     # --- quantizer ------------------------------------------------------------------------------
-    def _encode32(self, flat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The float32 rule (module Notes) on rows (N, block): indices uint8, gamma float32."""
+    def _rotated32(self, flat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The float32 rule's (norm (N,), rotated unit rows u (N, block)), float32."""
         x = flat.astype(_F32)
-        tiny = _F32(self.spec.tiny_norm)
         s1, s2 = (np.array(s, dtype=_F32) for s in self.spec.signs or (self.rot.signs1, self.rot.signs2))
         norm = np.sqrt(_sum_squares32(x))
-        big = norm > tiny
-        inv = np.divide(_F32(1), norm, out=np.zeros_like(norm), where=big)
-        u = _butterflies32(x * inv[:, None] * s1) * (_F32(self.spec.rotation_scale) * s2)
+        inv = np.divide(_F32(1), norm, out=np.zeros_like(norm), where=norm > _F32(self.spec.tiny_norm))
+        return norm, _butterflies32(x * inv[:, None] * s1) * (_F32(self.spec.rotation_scale) * s2)
+
+    def compared(self, x) -> tuple[np.ndarray, np.ndarray]:
+        """``(u, thresholds)``: the rotated unit coordinates (N, block) that ``encode`` compares with
+        the thresholds, in the profile's arithmetic (float32 or float64), for tie tests."""
+        flat = np.ascontiguousarray(as_array("x", x, dim=self.block).reshape(-1, self.block))
+        if self.spec.arithmetic == "float32":
+            return self._rotated32(flat)[1], self.thresholds
+        return rotated_unit(flat, self.rot)[1], self.thresholds
+
+    def _encode32(self, flat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The float32 rule (module Notes) on rows (N, block): indices uint8, gamma float32."""
+        tiny = _F32(self.spec.tiny_norm)
+        norm, u = self._rotated32(flat)
         idx = self.cells(u)
         recon = np.sqrt(_sum_squares32(self.levels[idx]))
         gamma = np.where(recon > tiny, norm / np.where(recon > tiny, recon, _F32(1)), norm)
