@@ -129,6 +129,36 @@ def test_rewritten_cpu_reference_writes_profile_exact(exes, bits):
     np.testing.assert_array_equal(deq, tb.decode_rotated(tb.from_bytes(want, rows.shape)))
 
 
+def _nonfinite_rows():
+    """Rows where the fork writes +Inf or NaN norms: overflow of the scale, of n^2, Inf and NaN inputs."""
+    rng = np.random.default_rng(9)
+    base = rng.standard_normal((6, 128)).astype(np.float32)
+    rows = [base[0] * np.float32(8e4 / np.linalg.norm(base[0])), base[1] * np.float32(1e20),
+            np.full(128, np.float32(3e38))]
+    for v in np.array([0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00000, 0x7FFFFFFF, 0xFF800001],
+                      np.uint32).view(np.float32):
+        r = base[2].copy()
+        r[int(rng.integers(128))] = v
+        rows.append(r)
+    r = base[3].copy()
+    r[[3, 9]] = np.array([0xFFC00000, 0x7FC00000], np.uint32).view(np.float32)  # the first NaN's sign wins
+    return np.stack(rows + [r, base[4]])
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_nonfinite_blocks_match_the_fork(exes, bits):
+    """overflow='fork' writes the fork's bytes (original and rewritten tables), and those blocks, read
+    back, decode as the fork's dequantize_row_* bit for bit (+-Inf, NaN with its sign)."""
+    rows = _nonfinite_rows()
+    for exe, profile in zip(exes, ("fork@69d8e4be", "fork@69d8e4be+exact")):
+        tb = TurboBlock(f"turbo{bits}", profile=profile, overflow="fork")
+        got = fh.quantize(exe, bits, rows)
+        assert tb.to_bytes(tb.encode(rows)) == got
+        enc = TurboBlock(f"turbo{bits}", profile=profile).from_bytes(got, rows.shape)
+        ours = TurboBlock(f"turbo{bits}", profile=profile).decode_rotated(enc)
+        np.testing.assert_array_equal(ours.view(np.uint32), fh.dequantize(exe, bits, got).view(np.uint32))
+
+
 def _f32(text: str) -> np.float32:
     from kvq_ref.turbo_profiles import parse_f32
     return parse_f32(text.rstrip("fFhH"))
