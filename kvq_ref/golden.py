@@ -33,7 +33,7 @@ from codebooks._version import __version__
 from codebooks.transforms import oscar_rotation
 
 from .kivi import KIVI
-from .official import (QUAROT_RANGE_FLOOR, clip_index, dequant_f16, dequant_kernel, minmax_f16, oscar_dequantize,
+from .official import (QUAROT_RANGE_FLOOR, bf16_matmul, clip_index, dequant_f16, dequant_kernel, minmax_f16, oscar_dequantize,
                        oscar_quantize, oscar_threshold, pack_strided, quarot_fakequant_k, quarot_fakequant_v, to_bf16)
 from .packing import pack_codes
 from .qjl import official_estimate, official_sketch
@@ -152,7 +152,7 @@ def _oscar(rng, d=128):
     cases = []
     for role, ratio in (("key", 0.96), ("value", 0.92)):
         x = to_bf16(_keys_like(rng, 40, d, np.float32))
-        y = to_bf16(to_bf16(x).astype(np.float64) @ to_bf16(R32).astype(np.float64))
+        y = bf16_matmul(x, R32)
         p = {"role": role, "clip_ratio": ratio, "head_dim": d, "group_size": d}
         cases.append(_case(f"rotated-{role}", "rotated", {**p, "rows": 40}, {"x_bf16_as_f32": x},
                            {**_oscar_outputs(y, ratio, d), "y_bf16_as_f32": y}, "y = bf16(x_bf16 @ bf16(R))"))
