@@ -363,11 +363,28 @@ class Quantizer(ABC):
         Returns
         -------
         ndarray, float64, shape ``q.shape[:-1] + enc.shape[:-1]``
+
+        Raises
+        ------
+        ValueError
+            A score beyond the float64 range.
+
+        Notes
+        -----
+        Scores are linear in q: q is scaled by a power of two to ``max |q| < 1`` (exact) and the
+        scores scaled back, so intermediate sums (a rotation of q, a sketch) cannot overflow where
+        the scores themselves are finite (queries near 1e307 gave NaN before).
         """
         self._check(enc)
         d = enc.shape[-1]
         qa = as_array("q", q, dim=d)
-        s = self.scores(self.prepare_query(qa.reshape(-1, d)), enc)
+        top = float(np.max(np.abs(qa))) if qa.size else 0.0
+        e = math.frexp(top)[1] if top > 0 else 0
+        s = self.scores(self.prepare_query(np.ldexp(qa.reshape(-1, d), -e)), enc)
+        with np.errstate(over="ignore"):
+            s = np.ldexp(s, e)
+        if not np.all(np.isfinite(s)):
+            raise ValueError(f"q: {int(np.sum(~np.isfinite(s)))} score(s) exceed the float64 range (max |q| {top:.3g})")
         return s.reshape(qa.shape[:-1] + tuple(enc.shape[:-1]))
 
 
