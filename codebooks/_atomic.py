@@ -80,17 +80,35 @@ def _write_synced(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
+def _is_tmp_of(name: str, folder: Path) -> bool:
+    """``name`` is exactly one of this folder's temporary names ``.F.tmp-<pid>-<8 hex>`` (compared as
+    text: a folder named ``t[1]`` must never match ``t1``'s, as a glob pattern would)."""
+    prefix = _paths(folder)[2].name
+    if not name.startswith(prefix):
+        return False
+    pid, _, token = name[len(prefix):].partition("-")
+    return pid.isdigit() and len(token) == 8 and all(c in "0123456789abcdef" for c in token)
+
+
 def _recover(folder: Path) -> None:
     """Undo or finish what a killed writer left (caller holds the lock)."""
-    _, aside, tmp_prefix = _paths(folder)
-    if aside.exists():
+    _, aside, _ = _paths(folder)
+    if os.path.islink(aside) or (os.path.lexists(aside) and not aside.is_dir()):
+        os.unlink(aside)  # never written by the protocol (a planted symlink or file): remove the name only
+        _fsync_dir(folder.parent)
+    elif aside.exists():
         if folder.exists():
             shutil.rmtree(aside)  # the new set is in place: finish the swap
         else:
             os.rename(aside, folder)  # killed between the two renames: roll back
         _fsync_dir(folder.parent)
-    for stale in folder.parent.glob(tmp_prefix.name + "*"):
-        shutil.rmtree(stale, ignore_errors=True)
+    with os.scandir(folder.parent) as entries:
+        stale = [Path(e.path) for e in entries if _is_tmp_of(e.name, folder)]
+    for path in stale:
+        if path.is_symlink() or not path.is_dir():
+            path.unlink(missing_ok=True)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def check_output_folder(folder, name: str = "--out", replaceable: Callable[[Path], bool] | None = None) -> Path:
@@ -312,15 +330,21 @@ def read_folder(folder, fn: Callable[[FolderReader], object]):
     for _ in range(_READ_ATTEMPTS):
         fd, opened = None, None
         for cand in (folder, aside):
-            try:
-                fd = os.open(cand, os.O_RDONLY | os.O_DIRECTORY)
+            try:  # the aside name is the protocol's own: never followed when it is a symlink
+                fd = os.open(cand, os.O_RDONLY | os.O_DIRECTORY | (os.O_NOFOLLOW if cand is aside else 0))
                 opened = cand
                 break
             except FileNotFoundError:
                 continue
             except NotADirectoryError:
+                if cand is aside:  # O_NOFOLLOW on a symlink, or a file planted under that name
+                    raise ValueError(f"{folder}: directory missing ({aside.name} is not a set this toolkit "
+                                     "wrote: a symbolic link or a file)") from None
                 raise ValueError(f"{folder}: is not a directory") from None
             except OSError as exc:
+                if cand is aside and exc.errno == errno.ELOOP:
+                    raise ValueError(f"{folder}: directory missing ({aside.name} is a symbolic link, not a set "
+                                     "this toolkit wrote)") from None
                 raise ValueError(f"{folder}: cannot be opened ({exc.strerror})") from None
         if fd is None:
             if not _wait_for_writer(folder) and not (os.path.lexists(folder) or os.path.lexists(aside)):
