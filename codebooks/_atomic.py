@@ -241,19 +241,22 @@ def _read_fd(fd: int, path: Path, max_bytes: int) -> bytes:
             raise ValueError(f"{path}: is not a regular file (a FIFO, socket or device)")
         if st.st_size > max_bytes:
             raise ValueError(f"{path}: is {st.st_size} bytes, more than the {max_bytes} allowed")
-        chunks, left = [], max_bytes + 1
-        while left > 0:
-            chunk = os.read(fd, min(left, 1 << 24))
-            if not chunk:
+        # one buffer of the file's size, filled in place (no chunk list joined into a second copy)
+        buf = bytearray(st.st_size)
+        view, got = memoryview(buf), 0
+        while got < st.st_size:
+            n = os.readv(fd, [view[got:]])
+            if n == 0:
                 break
-            chunks.append(chunk)
-            left -= len(chunk)
-        data = b"".join(chunks)
+            got += n
+        view.release()
+        if os.read(fd, 1):
+            raise ValueError(f"{path}: grew past its size while being read")
     except OSError as exc:
         raise ValueError(f"{path}: cannot be read ({exc.strerror})") from None
-    if len(data) > max_bytes:
-        raise ValueError(f"{path}: grew past the {max_bytes} bytes allowed while being read")
-    return data
+    if got < st.st_size:
+        raise ValueError(f"{path}: shrank while being read ({got} of {st.st_size} bytes)")
+    return bytes(buf) if got < (1 << 20) else buf
 
 
 class _Swapped(Exception):
