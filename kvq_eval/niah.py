@@ -120,6 +120,12 @@ def make_sample(tok, variant: str, context: int, depth: float, sample: int, hays
         Position of the target needle in the filler.
     sample : int >= 0
         Index of the sample at this (variant, context, depth).
+
+    Raises
+    ------
+    ValueError
+        Bad arguments, or a context that needs more filler than the haystack holds (the message
+        names the maximum context; a prompt is never cut short of its label).
     haystack : str, optional
         Filler text (default: the fixture's ``haystack`` part).
     chat : bool
@@ -158,6 +164,9 @@ def make_sample(tok, variant: str, context: int, depth: float, sample: int, hays
         filler.append(s)
         used += n
         i += 1
+    if len(filler) == len(sents) and used < budget:  # the whole haystack is in and still short: refuse
+        raise ValueError(f"context {context} needs {budget} filler tokens, the haystack holds {used}: this "
+                         f"{variant} prompt reaches at most {context - (budget - used)} tokens (maximum context)")
     for d, text in sorted(needles, key=lambda x: -x[0]):  # insert from the back so positions hold
         filler.insert(int(round(d * len(filler))), text)
     return Sample(variant, context, float(depth), sample, head + intro + " ".join(filler), q + tail, reference,
