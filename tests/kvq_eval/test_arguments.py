@@ -23,12 +23,12 @@ from .test_protocol import HAY, WordTok
 
 @pytest.fixture
 def no_model(monkeypatch):
+    import kvq_eval.runner as runner  # imported before the patch: it binds load_model at import
+
     def refuse(*a, **k):
         raise AssertionError("the model was loaded before the arguments were checked")
 
     monkeypatch.setattr(models, "load_model", refuse)
-    import kvq_eval.runner as runner
-
     monkeypatch.setattr(runner, "load_model", refuse)
     monkeypatch.setattr(models, "load_tokenizer", lambda name="smollm2": WordTok())
 
