@@ -112,9 +112,14 @@ def _dry_run(kw: dict, calib_tokens: int) -> int:
 
 
 def _cmd_run(args) -> int:
+    from .checks import check_run, check_run_lengths
+    from .models import load_tokenizer
     from .runner import run_grid
 
     kw = grid_kwargs(args)
+    check_run(kw, args.ray_gpus, args.dry_run)  # before the model loads (issue 53)
+    if not args.dry_run:
+        check_run_lengths(kw, load_tokenizer(args.model))
     if args.dry_run:
         return _dry_run(kw, args.calib_tokens)
     t0 = time.perf_counter()
@@ -150,8 +155,10 @@ def _cmd_run(args) -> int:
 
 
 def _cmd_plot(args) -> int:
+    from .checks import writable_folder
     from .plot import plot_results
 
+    writable_folder(Path(args.output).parent, "-o")
     paths = plot_results(args.results, args.model, args.output, _entries(args.entries), args.variant)
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0
@@ -234,9 +241,13 @@ def _cmd_capture(args) -> int:
         if v < 1:
             raise ValueError(f"--{name} must be a positive integer, got {v}")
     from .calib import capture, save_qkv, token_chunks
-    from .models import load_model
+    from .checks import check_text_tokens, writable_file
+    from .models import load_model, load_tokenizer
     from .text import part
 
+    writable_file(args.out)  # before the model loads (issue 53)
+    check_text_tokens(load_tokenizer(args.model), args.part, args.tokens * args.sequences,
+                      f"--tokens {args.tokens} x --sequences {args.sequences}")
     model, tok, _ = load_model(args.model)
     seqs = [capture(model, ids) for ids in token_chunks(tok, part(args.part), args.tokens, args.sequences)]
     print(f"wrote {save_qkv(seqs, args.out)}")
@@ -252,10 +263,13 @@ def _cmd_sink(args) -> int:
     if args.window < 0 or args.window >= args.tokens:
         raise ValueError(f"--window must be in 0..{args.tokens - 1}, got {args.window}")
     from .calib import calibration_tables, capture
-    from .models import load_model
+    from .checks import check_text_tokens, writable_file
+    from .models import load_model, load_tokenizer
     from .sink import attention_geometry, sink_report
     from .text import part
 
+    writable_file(args.out)  # before the model loads (issue 53)
+    check_text_tokens(load_tokenizer(args.model), "heldout", args.tokens, f"--tokens {args.tokens}")
     model, tok, _ = load_model(args.model)
     tables = calibration_tables(model, tok, args.model, length=args.calib_tokens)
     ids = tok(part("heldout"), return_tensors="pt").input_ids[:, :args.tokens]

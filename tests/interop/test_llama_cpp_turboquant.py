@@ -178,9 +178,10 @@ def test_zero_and_tiny_rows(golden):
     assert seen > 0, "the golden set has no zero or tiny rows"
 
 
-def test_overflow_where_the_fork_writes_inf_is_refused(golden):
-    """Scaling the largest golden row until n / ||c|| passes 65504: the fork's rule would store
-    0x7C00 (+Inf); encode raises instead, and a block holding 0x7C00 is refused when decoded."""
+def test_overflow_where_the_fork_writes_inf(golden):
+    """Scaling the largest golden row until n / ||c|| passes 65504: the fork's rule stores 0x7C00
+    (+Inf) with the row's codes. encode raises by default and writes it with overflow="fork"; a
+    block holding 0x7C00 is read and decodes as the fork's dequantize does (+-Inf)."""
     doc, prof, rows = golden
     x = max(rows, key=lambda r: float(np.max(np.linalg.norm(r.astype(np.float64), axis=1))))
     big = x * np.float32(8e4 / np.max(np.linalg.norm(x.astype(np.float64), axis=1)))
@@ -188,7 +189,12 @@ def test_overflow_where_the_fork_writes_inf_is_refused(golden):
         tb = TurboBlock(fmt, profile=prof)
         with pytest.raises(ValueError, match="overflows float16"):
             tb.encode(big)
+        enc = TurboBlock(fmt, profile=prof, overflow="fork").encode(big)
+        idx, norms = tb.unpack(enc.arrays["blocks"].reshape(-1, tb.bytes_per_block))
+        over = np.isinf(norms)
+        assert over.any() and np.all(norms[over].view(np.uint16) == 0x7C00)
         raw = bytearray(tb.to_bytes(tb.encode(x)))
         raw[0:2] = b"\x00\x7c"
-        with pytest.raises(ValueError, match=r"norm is NaN/Inf or negative \(\+Inf: an fp16 overflow"):
-            tb.from_bytes(bytes(raw), x.shape)
+        enc = tb.from_bytes(bytes(raw), x.shape)
+        want = tb.levels[tb.unpack(enc.arrays["blocks"].reshape(-1, tb.bytes_per_block))[0][0]] * np.float32(np.inf)
+        assert np.array_equal(tb.decode_rotated(enc).reshape(-1, 128)[0], want)
