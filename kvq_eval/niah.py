@@ -2,7 +2,7 @@
 
 Notes
 -----
-REFERENCE.md section 10 (RULER). A needle is "One of the special magic numbers for {key} is:
+:ref:`ref-niah` (RULER). A needle is "One of the special magic numbers for {key} is:
 {value}." with an adjective-noun key and a 7-digit value, inserted at a depth (fraction of the
 filler) between sentences of a KJV haystack (``haystack_part``): prompts of up to
 ``text.SHORT_HAYSTACK_MAX`` tokens take their filler from the ``haystack`` part (Genesis 30 %
@@ -146,6 +146,12 @@ def make_sample(tok, variant: str, context: int, depth: float, sample: int, hays
         Filler text (default: ``haystack_part(context)``).
     chat : bool
         Use the tokenizer's chat template when it has one.
+
+    Raises
+    ------
+    ValueError
+        Bad arguments, or a context that needs more filler than the haystack holds (the message
+        names the maximum context; a prompt is never cut short of its label).
     """
     _check(variant, context, depth, sample)
     rng = sample_rng(variant, context, depth, sample)
@@ -182,7 +188,8 @@ def make_sample(tok, variant: str, context: int, depth: float, sample: int, hays
         i += 1
     if len(filler) == len(sents) and used < budget:
         raise ValueError(f"context {context} needs more filler than the {haystack_part(context)!r} haystack holds "
-                         f"({used} tokens of {len(sents)} sentences, {budget} needed)")
+                         f"({used} tokens of {len(sents)} sentences, {budget} needed): this {variant} prompt "
+                         f"reaches at most {context - (budget - used)} tokens (maximum context)")
     for d, text in sorted(needles, key=lambda x: -x[0]):  # insert from the back so positions hold
         filler.insert(int(round(d * len(filler))), text)
     return Sample(variant, context, float(depth), sample, head + intro + " ".join(filler), q + tail, reference,

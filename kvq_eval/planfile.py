@@ -4,10 +4,10 @@ A plan (``Plan``) names, for every layer of a model, the candidate that stores i
 that stores its values, and the band (sink, recent window) kept in float16 for every layer. Its
 file (``save_plan``/``load_plan``, schema ``"kvq-plan"`` version ``PLAN_VERSION``) holds:
 
-``schema``, ``version``, ``name``, ``model`` (name, layers, KV heads, head dimension), ``band``,
-``context``, ``target``
-    What the plan is for: the model, the band, the context length its quality and stored bits
-    refer to, and the quality target (fractional perplexity increase, e.g. 0.01 for 1 %).
+``schema``, ``version``, ``name``, ``model``, ``band``, ``context``, ``target``
+    What the plan is for: the model (name, layers, KV heads, head dimension), the band, the
+    context length its quality and stored bits refer to, and the quality target (fractional
+    perplexity increase, e.g. 0.01 for 1 %).
 ``layers``
     ``[{"key": candidate, "value": candidate}, ...]``, one per layer (``CANDIDATE`` names:
     ``tq_mse1`` .. ``tq_mse8`` or a registered uncalibrated method with no band of its own).

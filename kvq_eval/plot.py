@@ -28,10 +28,20 @@ _REQUIRED = {"ppl": ("entry", "tokens", "windows", "bits_per_element", "band"),
              "layers": ("entry", "attn_rel_err", "logit_mse", "bits_per_element")}
 
 
+#: types of the fields the tables read (a field of another type was a traceback deep in a table)
+_TYPES = {"entry": str, "tokens": int, "windows": list, "band": dict, "variant": str, "context": int,
+          "sample": int, "results": dict, "prefix": int, "new_tokens": int, "attn_rel_err": list, "logit_mse": list,
+          "bits_per_element": (int, float)}
+_MAX_RESULT_BYTES = 64 << 20
+
+
 def _load(path: Path, task: str) -> dict:
-    try:
-        row = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
+    from codebooks._atomic import read_file
+    from codebooks._validate import parse_json
+
+    try:  # a regular file of bounded size (a directory or FIFO named *.json is named, never read or waited on),
+        row = parse_json(read_file(path, _MAX_RESULT_BYTES))  # JSON of bounded nesting, finite numbers
+    except ValueError as exc:
         raise ValueError(f"{path}: not a readable result file ({exc})") from None
     if not isinstance(row, dict):
         raise ValueError(f"{path}: a result file holds a JSON object, got {type(row).__name__}")
@@ -39,6 +49,12 @@ def _load(path: Path, task: str) -> dict:
     if missing:
         raise ValueError(f"{path}: not a kvq-eval {task} result (missing {', '.join(missing)}); "
                          f"delete it or recompute it with kvq-eval run")
+    for k in _REQUIRED[task]:
+        if not isinstance(row[k], _TYPES[k]) or isinstance(row[k], bool):
+            raise ValueError(f"{path}: field {k!r} is a {type(row[k]).__name__}, not a kvq-eval {task} result")
+    rows = row["results"].values() if task == "niah" else row["windows"] if "windows" in row else ()
+    if not all(isinstance(r, dict) for r in rows):
+        raise ValueError(f"{path}: {'results' if task == 'niah' else 'windows'} must hold JSON objects")
     return row
 
 

@@ -23,28 +23,31 @@ PROTOCOL = 3
 @lru_cache(maxsize=1)
 def _code() -> str | None:
     """``<commit>`` of the checkout the package runs from, ``+dirty`` when it has changes to tracked
-    files; None outside a git checkout."""
+    files outside ``results/``; None outside a git checkout."""
     root = Path(__file__).resolve().parent.parent
     try:
         head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True,
                               text=True, timeout=10)
         if head.returncode != 0:
             return None
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        # results are not code: a run writing into results/ (or a checkout without them) is clean
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no", "--",
+                                ".", ":(exclude)results"], capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
     return head.stdout.strip() + ("+dirty" if dirty else "")
 
 
 def environment() -> dict:
-    """Protocol, code commit, thread counts (torch, Numba, ``OMP_NUM_THREADS``) and versions."""
+    """Protocol, code commit, the CPU kernels torch dispatches to (``cpu``: e.g. ``AVX512``), thread
+    counts (torch, Numba, ``OMP_NUM_THREADS``) and versions: what the float32 forward's last bits
+    depend on (and quantized results amplify)."""
     import numba
     import numpy
     import torch
     import transformers
 
-    return {"protocol": PROTOCOL, "code": _code(),
+    return {"protocol": PROTOCOL, "code": _code(), "cpu": torch.backends.cpu.get_cpu_capability(),
             "threads": {"torch": torch.get_num_threads(), "numba": numba.get_num_threads(),
                         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")},
             "versions": {"numpy": numpy.__version__, "torch": torch.__version__,

@@ -84,6 +84,8 @@ def _window_stats(ref, out, target, chunk: int = 512, head=None, ref_logits: boo
     """
     import torch
 
+    if target.numel() < POSITION_BINS:  # an empty position bin would be written as NaN
+        raise ValueError(f"a window scores {target.numel()} positions, fewer than the {POSITION_BINS} position bins")
     nf, nq, kl, top1 = [], [], [], 0
     for lo in range(0, target.numel(), chunk):
         r, o, tg = ref[lo:lo + chunk], out[lo:lo + chunk], target[lo:lo + chunk]
