@@ -10,7 +10,7 @@ Notes
 profile                reproduces                        signs       tables                  rules
 =====================  ===============================  ==========  ======================  ==================
 fork@69d8e4be          the fork at 69d8e4be (default)   the fork's  the fork's (float32)    float32, tie high
-fork@69d8e4be+exact    the fork at 69d8e4be rewritten    the fork's  Lloyd-Max (float32)     float32, tie high
+fork@69d8e4be+exact    the fork at 69d8e4be rewritten   the fork's  Lloyd-Max (float32)     float32, tie high
                        by ``kvq-codebooks export
                        --apply-to``
 kvq                    this toolkit's earlier blocks     seeded      Lloyd-Max (float64)     float64, tie low

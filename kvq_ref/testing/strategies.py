@@ -20,8 +20,8 @@ def kv_arrays(draw, d: int, n=st.integers(1, 64), dtype=np.float64, ties=None):
 
     d : int; n : int or strategy; dtype : float16 rows are rounded (and kept finite);
     ties : optional values written into the rows: a 1-D array (``threshold_ties``: for methods that
-        compare their inputs) at random positions, or rows (m, d) (``tie_rows``: for rotated
-        quantizers, whose ties are in the rotated domain) replacing 1..min(n, m) random rows.
+    compare their inputs) at random positions, or rows (m, d) (``tie_rows``: for rotated
+    quantizers, whose ties are in the rotated domain) replacing 1..min(n, m) random rows.
     """
     n = draw(n) if isinstance(n, st.SearchStrategy) else int(n)
     seed = draw(st.integers(0, 2**32 - 1))
