@@ -1,0 +1,223 @@
+// The fragment layout and its byte-permute lookups (gpu/cuda/fragment.py is the specification: this
+// header mirrors its instruction lists operation for operation, and its tests check both).
+//
+// A tile is 16 tokens of one (page, KV head): [K codes][V codes][norms], 2 d (kb + vb) + 64 bytes.
+// Lane L = 4 g + t of a warp loads d b / 64 words of each side, in planes of 16, 8 and 4 bytes
+// (kvq_frag_load), and decodes them into the fp16 pairs of its mma.m16n8k16 A fragments
+// (kvq_frag_decode). Half-register i = 4 s + r: K: r = 0 (token g, coords 16s + 2t, +1), r = 1
+// (token g + 8), r = 2 (token g, coords + 8), r = 3 (token g + 8, coords + 8); V: r = 0 (coord
+// 16s + g, tokens 2t, 2t + 1), r = 1 (coord + 8), r = 2 (tokens + 8), r = 3 (coord + 8, tokens + 8).
+#ifndef KVQ_FRAG_CUH
+#define KVQ_FRAG_CUH
+
+#include "kvq_common.cuh"
+
+#define KVQ_FRAG_TILE 16
+#define KVQ_FRAG_NORM_BYTES 64
+
+template <int D, int B>
+struct KvqSide {
+  static constexpr int kWords = D * B / 64;               // words per lane
+  static constexpr int kPairs = D / 4;                    // fp16 pairs per lane
+  static constexpr int kBytes = 2 * D * B;                // bytes of the side in a tile
+  static constexpr int kGroupWords = B == 3 ? 3 : 1;      // words per decode group
+  static constexpr int kGroupPairs = B == 2 ? 8 : B == 3 ? 16 : 4;
+};
+
+__host__ __device__ constexpr int kvq_frag_tile_bytes(int d, int kb, int vb) {
+  return 2 * d * (kb + vb) + KVQ_FRAG_NORM_BYTES;
+}
+
+// The lane's words of one side: 16-byte planes, then an 8-byte and a 4-byte one (fragment.plane_widths).
+template <int NW>
+__device__ __forceinline__ void kvq_frag_load(const uint8_t* region, int lane, uint32_t (&w)[NW]) {
+  constexpr int n16 = NW / 4;
+#pragma unroll
+  for (int k = 0; k < n16; ++k) {
+    const uint4 v = *(const uint4*)(region + 512 * k + 16 * lane);
+    w[4 * k] = v.x;
+    w[4 * k + 1] = v.y;
+    w[4 * k + 2] = v.z;
+    w[4 * k + 3] = v.w;
+  }
+  int off = 512 * n16;
+  if constexpr (NW % 4 >= 2) {
+    const uint2 v = *(const uint2*)(region + off + 8 * lane);
+    w[4 * n16] = v.x;
+    w[4 * n16 + 1] = v.y;
+    off += 256;
+  }
+  if constexpr (NW % 2 == 1) w[NW - 1] = *(const uint32_t*)(region + off + 4 * lane);
+}
+
+// Multipliers of the lookups: IMAD operands. They are kernel arguments (registers), not literals, so
+// that ptxas keeps the multiply-adds on the FMA pipe instead of strength-reducing them to shifts and
+// LEA on the ALU pipe, which the lookups already load with LOP3 and PRMT.
+struct KvqMul {
+  uint32_t m4, m16, m17, m17s16, m17s26, m17s10, s16, s29, s30, s31;
+};
+
+// ---- 2 bits: one word -> 8 pairs (fragment.decode_words) ----------------------------------------
+__device__ __forceinline__ void kvq_dec2(uint32_t w, uint32_t p0, uint32_t p1, const KvqMul& k, uint32_t* h) {
+  const uint32_t x0 = w & 0x03030303u;
+  const uint32_t x6 = w & 0xC0C0C0C0u;
+  const uint32_t x4 = (w * k.m4) & 0xC0C0C0C0u;
+  const uint32_t x2 = (w * k.m16) & 0xC0C0C0C0u;
+  h[0] = __byte_perm(p0, p1, x0 * k.m17 + 0x4040u);
+  h[1] = __byte_perm(p0, p1, __umulhi(x0, k.m17s16) + 0x4040u);
+  h[2] = __byte_perm(p0, p1, __umulhi(x6, k.m17s26) + 0x4040u);
+  h[3] = __byte_perm(p0, p1, __umulhi(x6, k.m17s10) + 0x4040u);
+  h[4] = __byte_perm(p0, p1, __umulhi(x4, k.m17s26) + 0x4040u);
+  h[5] = __byte_perm(p0, p1, __umulhi(x4, k.m17s10) + 0x4040u);
+  h[6] = __byte_perm(p0, p1, __umulhi(x2, k.m17s26) + 0x4040u);
+  h[7] = __byte_perm(p0, p1, __umulhi(x2, k.m17s10) + 0x4040u);
+}
+
+// ---- 3 and 4 bits: 8-entry byte pools (lo bytes, hi bytes) --------------------------------------
+__device__ __forceinline__ void kvq_pairs8(uint32_t lo4, uint32_t hi4, uint32_t* h) {
+  h[0] = __byte_perm(lo4, hi4, 0x5140u);
+  h[1] = __byte_perm(lo4, hi4, 0x7362u);
+}
+
+// 3 words -> 16 pairs.
+__device__ __forceinline__ void kvq_dec3(uint32_t w0, uint32_t w1, uint32_t w2, const uint32_t (&p)[4],
+                                         const KvqMul& k, uint32_t* h) {
+  const uint32_t m0 = w0 & 0x88888888u, m1 = w1 & 0x88888888u, m2 = w2 & 0x88888888u;
+  const uint32_t sel[4] = {w0 & 0x77777777u, w1 & 0x77777777u, w2 & 0x77777777u,
+                           __umulhi(m2, k.s31) + (__umulhi(m1, k.s30) + __umulhi(m0, k.s29))};
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const uint32_t lo = sel[q], hi = __umulhi(sel[q], k.s16);
+    kvq_pairs8(__byte_perm(p[0], p[1], lo), __byte_perm(p[2], p[3], lo), h + 4 * q);
+    kvq_pairs8(__byte_perm(p[0], p[1], hi), __byte_perm(p[2], p[3], hi), h + 4 * q + 2);
+  }
+}
+
+// 1 word -> 4 pairs (sign-magnitude; negative flags at the byte MSBs of w and of w << 4).
+__device__ __forceinline__ void kvq_dec4(uint32_t w, const uint32_t (&p)[4], const KvqMul& k, uint32_t* h) {
+  const uint32_t lo = w & 0x77777777u, hi = __umulhi(lo, k.s16);
+  kvq_pairs8(__byte_perm(p[0], p[1], lo), __byte_perm(p[2], p[3], lo) ^ (w & 0x80808080u), h);
+  kvq_pairs8(__byte_perm(p[0], p[1], hi), __byte_perm(p[2], p[3], hi) ^ ((w * k.m16) & 0x80808080u), h + 2);
+}
+
+// All pairs of one side.
+template <int D, int B>
+__device__ __forceinline__ void kvq_frag_decode(const uint32_t (&w)[KvqSide<D, B>::kWords], const uint32_t (&p)[4],
+                                                const KvqMul& k, uint32_t (&h)[D / 4]) {
+  using S = KvqSide<D, B>;
+#pragma unroll
+  for (int gi = 0; gi < S::kWords / S::kGroupWords; ++gi) {
+    if constexpr (B == 2) {
+      kvq_dec2(w[gi], p[0], p[1], k, h + 8 * gi);
+    } else if constexpr (B == 3) {
+      kvq_dec3(w[3 * gi], w[3 * gi + 1], w[3 * gi + 2], p, k, h + 16 * gi);
+    } else {
+      kvq_dec4(w[gi], p, k, h + 4 * gi);
+    }
+  }
+}
+
+// ---- where a code goes (the append kernel): fragment.fragment_slots / _group ---------------------
+// Half-register i and half hh of lane L that hold (token tok, coordinate j) of side K (kside) or V.
+__host__ __device__ __forceinline__ void kvq_frag_slot(bool kside, int tok, int j, int& lane, int& i, int& hh) {
+  if (kside) {  // tok = g + 8 (r & 1), j = 16 s + 2 t + 8 (r >> 1) + hh
+    const int s = j / 16, c = j % 16;
+    lane = 4 * (tok % 8) + (c % 8) / 2;
+    i = 4 * s + (tok / 8) + 2 * (c / 8);
+    hh = c % 2;
+  } else {      // j = 16 s + g + 8 (r & 1), tok = 2 t + 8 (r >> 1) + hh
+    const int s = j / 16, c = j % 16;
+    lane = 4 * (c % 8) + (tok % 8) / 2;
+    i = 4 * s + (c / 8) + 2 * (tok / 8);
+    hh = tok % 2;
+  }
+}
+
+// Word (within the lane) and bit of bit k of the symbol stored for half hh of pair i.
+template <int B>
+__host__ __device__ __forceinline__ void kvq_frag_field(int i, int hh, int k, int& word, int& bit) {
+  if constexpr (B == 2) {
+    constexpr int pairs[8][2] = {{0, 8}, {16, 24}, {6, 14}, {22, 30}, {4, 12}, {20, 28}, {2, 10}, {18, 26}};
+    word = i / 8;
+    bit = pairs[i % 8][hh] + k;
+  } else if constexpr (B == 3) {
+    const int grp = i / 16, n = 2 * (i % 16) + hh;  // code n of the group: 0..23 nibble form, 24..31 spread
+    if (n < 24) {
+      word = 3 * grp + n / 8;
+      bit = 4 * (n % 8) + k;
+    } else {
+      word = 3 * grp + k;
+      bit = 4 * (n - 24) + 3;
+    }
+  } else {
+    constexpr int neg_bit[8] = {7, 15, 23, 31, 3, 11, 19, 27};
+    const int n = 2 * (i % 4) + hh;
+    word = i / 4;
+    bit = k < 3 ? 4 * n + k : neg_bit[n];
+  }
+}
+
+// Stored symbol of a code (4 bits: magnitude index | negative flag << 3) and back.
+template <int B>
+__host__ __device__ __forceinline__ unsigned kvq_frag_symbol(unsigned c) {
+  if constexpr (B == 4) return c < 8 ? (7u - c) | 8u : c - 8u;
+  return c;
+}
+
+// ---- tensor-core and special-function wrappers -----------------------------------------------------
+// c += A (16 x 16, row) * B (16 x 8, col), fp16 inputs, fp32 accumulate.
+__device__ __forceinline__ void kvq_mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                        uint32_t b0, uint32_t b1) {
+#ifdef KVQ_HOST_EMULATION
+  const unsigned a[4] = {a0, a1, a2, a3};
+  kvq_emu::mma_m16n8k16_f16(c, a, b0, b1, c);
+#else
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#endif
+}
+
+// The transpose of the 8 x 8 b16 matrix a warp holds one pair a lane.
+__device__ __forceinline__ uint32_t kvq_movmatrix(uint32_t a) {
+#ifdef KVQ_HOST_EMULATION
+  return kvq_emu::movmatrix_trans(a);
+#else
+  uint32_t d;
+  asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(d) : "r"(a));
+  return d;
+#endif
+}
+
+// 2^x (MUFU.EX2: relative error < 2^-22; the host emulation uses exp2f).
+__device__ __forceinline__ float kvq_ex2(float x) {
+#ifdef KVQ_HOST_EMULATION
+  return exp2f(x);
+#else
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#endif
+}
+
+// fp16 pair (lo, hi), each rounded to nearest even.
+__device__ __forceinline__ uint32_t kvq_pack_half2(float lo, float hi) {
+#ifdef KVQ_HOST_EMULATION
+  return (uint32_t)__half_as_ushort(__float2half_rn(lo)) | ((uint32_t)__half_as_ushort(__float2half_rn(hi)) << 16);
+#else
+  uint32_t d;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+#endif
+}
+
+__device__ __forceinline__ float kvq_half_lo(uint32_t u) { return __half2float(__ushort_as_half((unsigned short)(u & 0xFFFFu))); }
+__device__ __forceinline__ float kvq_half_hi(uint32_t u) { return __half2float(__ushort_as_half((unsigned short)(u >> 16))); }
+__device__ __forceinline__ float kvq_bf16(unsigned short u) { return __int_as_float((int)((unsigned)u << 16)); }
+// float -> bfloat16 bits, round to nearest even (finite inputs).
+__device__ __forceinline__ unsigned short kvq_to_bf16(float f) {
+  const unsigned u = (unsigned)__float_as_int(f);
+  return (unsigned short)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+#endif  // KVQ_FRAG_CUH
