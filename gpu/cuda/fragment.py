@@ -30,18 +30,18 @@ MMA fragments (PTX ISA, ``mma.m16n8k16`` with ``.f16`` A): register ``r`` of k-s
 
 Lookup instruction lists (per decode group; ``w``: a loaded word, ``C2 = 0x4040``):
 
-* 2 bits, 1 word -> 8 pairs. Codes at bit ``p`` (2 bits). ``x0 = w & 0x03030303``,
-  ``x6 = w & 0xC0C0C0C0``, ``x4 = (w * 4) & 0xC0C0C0C0``, ``x2 = (w * 16) & 0xC0C0C0C0``; selectors
-  ``imad(x0, 17, C2)`` (codes at 0, 8), ``imad_hi(x0, 17 << 16, C2)`` (16, 24), ``imad_hi(x, 17 << 26,
-  C2)`` and ``imad_hi(x, 17 << 10, C2)`` for x6, x4, x2 (6/14 and 22/30 of w, w << 2, w << 4); each
-  selector's nibbles are ``(c0, c0 + 4, c1, c1 + 4)`` and one PRMT over the pool ``(lo bytes of the 4
-  levels, hi bytes)`` gives the fp16 pair. 4 LOP3 + 8 PRMT (ALU pipe), 10 IMAD (FMA pipe) per 16 codes.
+* 2 bits, 1 word -> 8 pairs. Codes at bit ``p`` (2 bits). For ``u = w >> 2k`` (k = 0..3, IMAD.HI),
+  ``x = (u & 0x03030303) | Y16``; the selector ``imad(x, 17, 0x4040)`` has the nibbles ``(c0, c0 + 4,
+  c1, c1 + 4)`` of the codes at ``2k`` and ``2k + 8``, and ``imad_hi(x, 17 << 16)`` those at ``2k + 16``
+  and ``2k + 24`` (``Y16 = 0x7C40 << 16`` supplies its 0x4040: ``17 * 0x7C40 = 0x4040 mod 2^16``, and a
+  high-word multiply-add would need a 64-bit addend). One PRMT over the pool ``(lo bytes of the 4
+  levels, hi bytes)`` gives each fp16 pair. 4 LOP3 + 8 PRMT (ALU pipe), 11 IMAD (FMA pipe) per 16 codes.
 * 3 bits, 3 words -> 16 pairs. 24 codes sit in nibbles (bits 0-2) of the three words, 8 more are
   spread over the nibbles' bit 3 (bit k of code n at bit 4n+3 of word k). Selector words
-  ``w_k & 0x77777777`` and ``(m2 >> 1) + (m1 >> 2) + (m0 >> 3)`` with ``m_k = w_k & 0x88888888`` (IMAD.HI
+  ``w_k & 0x77777777`` and ``(m2 >> 1) | (m1 >> 2) | (m0 >> 3)`` with ``m_k = w_k & 0x88888888`` (IMAD.HI
   shifts); for the 4 nibbles of a selector (low half, or the high half shifted down by IMAD.HI):
   ``lo4 = prmt(lo bytes of the 8 levels, sel)``, ``hi4 = prmt(hi bytes, sel)``, pairs
-  ``prmt(lo4, hi4, 0x5140)`` and ``prmt(lo4, hi4, 0x7362)``. 38 ALU + 7 IMAD per 32 codes.
+  ``prmt(lo4, hi4, 0x5140)`` and ``prmt(lo4, hi4, 0x7362)``. 39 ALU + 7 IMAD per 32 codes.
 * 4 bits, 1 word -> 4 pairs. Sign-magnitude over the symmetric table (``level[c] = -level[15-c]``):
   nibble n holds the magnitude index ``m`` (``c - 8`` or ``7 - c``) of code ``E_n`` in bits 0-2; bit 3 of
   the nibbles holds the negative flags, ordered so that ``w & 0x80808080`` are those of E0..E3 and
@@ -111,7 +111,8 @@ def _lane_byte_offsets(d: int, bits: int) -> np.ndarray:
 
 
 # ---- the code positions of one decode group -----------------------------------------------------
-_PAIRS2 = ((0, 8), (16, 24), (6, 14), (22, 30), (4, 12), (20, 28), (2, 10), (18, 26))
+_PAIRS2 = ((0, 8), (16, 24), (2, 10), (18, 26), (4, 12), (20, 28), (6, 14), (22, 30))
+Y16 = 0x7C40 << 16   # 17 * 0x7C40 = 0x4040 (mod 2^16): the 2-bit high pairs' selector offset
 
 
 @lru_cache(maxsize=None)
@@ -309,6 +310,25 @@ def pools(levels, bits: int) -> np.ndarray:
     return np.array([word(lo[:4]), word(lo[4:]), word(hi[:4]), word(hi[4:])], np.uint32)
 
 
+def _selectors2(w):
+    """The 8 selectors of a 2-bit word: for u = w >> 2k, x = (u & 0x03030303) | Y16,
+    ``imad(x, 17, 0x4040)`` (codes 2k, 2k + 8) and ``imad_hi(x, 17 << 16)`` (2k + 16, 2k + 24)."""
+    out = []
+    for k in range(4):
+        u = w if k == 0 else imad_hi(w, 1 << (32 - 2 * k))
+        x = (u & np.uint64(0x03030303)) | np.uint64(Y16)
+        out += [imad(x, 17, 0x4040), imad_hi(x, 17 << 16)]
+    return out
+
+
+def _selectors3(w0, w1, w2):
+    """The 4 selector words of a 3-bit group: the nibble-form codes of each word, and the spread codes
+    ``(w0 & 0x88888888) >> 3 | (w1 & ..) >> 2 | (w2 & ..) >> 1`` (shifts as IMAD.HI)."""
+    m7, m8 = np.uint64(0x77777777), np.uint64(0x88888888)
+    s3 = imad_hi(w0 & m8, 1 << 29) | imad_hi(w1 & m8, 1 << 30) | imad_hi(w2 & m8, 1 << 31)
+    return [w0 & m7, w1 & m7, w2 & m7, s3]
+
+
 def _lookup8(sel, pool):
     """3/4-bit: fp16 pairs of the 4 nibbles of ``sel`` (nibble n -> pair n // 2, half n % 2)."""
     lo4 = prmt(pool[0], pool[1], sel)
@@ -323,23 +343,12 @@ def decode_words(words, bits: int, pool) -> np.ndarray:
     pool = [np.uint64(p) for p in pool]
     out = []
     if bits == 2:
-        c2 = 0x4040
         for k in range(w.shape[-1]):
-            x = w[..., k]
-            x0 = x & np.uint64(0x03030303)
-            x6 = x & np.uint64(0xC0C0C0C0)
-            x4 = imad(x, 4) & np.uint64(0xC0C0C0C0)
-            x2 = imad(x, 16) & np.uint64(0xC0C0C0C0)
-            sels = [imad(x0, 17, c2), imad_hi(x0, 17 << 16, c2)]
-            for xx in (x6, x4, x2):
-                sels += [imad_hi(xx, 17 << 26, c2), imad_hi(xx, 17 << 10, c2)]
-            out += [prmt(pool[0], pool[1], s) for s in sels]
+            out += [prmt(pool[0], pool[1], s) for s in _selectors2(w[..., k])]
     elif bits == 3:
         for k in range(0, w.shape[-1], 3):
             w0, w1, w2 = w[..., k], w[..., k + 1], w[..., k + 2]
-            m = [x & np.uint64(0x88888888) for x in (w0, w1, w2)]
-            s3 = imad_hi(m[2], 1 << 31, imad_hi(m[1], 1 << 30, imad_hi(m[0], 1 << 29)))
-            for s in (w0 & np.uint64(0x77777777), w1 & np.uint64(0x77777777), w2 & np.uint64(0x77777777), s3):
+            for s in _selectors3(w0, w1, w2):
                 for sel in (s, imad_hi(s, 1 << 16)):
                     lo4, hi4 = _lookup8(sel, pool)
                     out += [prmt(lo4, hi4, 0x5140), prmt(lo4, hi4, 0x7362)]
@@ -366,17 +375,9 @@ def selectors(words, bits: int) -> np.ndarray:
     for k in range(0, w.shape[-1], 3 if bits == 3 else 1):
         x = w[..., k]
         if bits == 2:
-            x0, x6 = x & np.uint64(0x03030303), x & np.uint64(0xC0C0C0C0)
-            x4, x2 = imad(x, 4) & np.uint64(0xC0C0C0C0), imad(x, 16) & np.uint64(0xC0C0C0C0)
-            out += [imad(x0, 17, 0x4040), imad_hi(x0, 17 << 16, 0x4040)]
-            for xx in (x6, x4, x2):
-                out += [imad_hi(xx, 17 << 26, 0x4040), imad_hi(xx, 17 << 10, 0x4040)]
+            out += _selectors2(x)
         elif bits == 3:
-            w0, w1, w2 = w[..., k], w[..., k + 1], w[..., k + 2]
-            m = [y & np.uint64(0x88888888) for y in (w0, w1, w2)]
-            s3 = imad_hi(m[2], 1 << 31, imad_hi(m[1], 1 << 30, imad_hi(m[0], 1 << 29)))
-            for s in (w0 & np.uint64(0x77777777), w1 & np.uint64(0x77777777), w2 & np.uint64(0x77777777), s3):
-                out += [s, imad_hi(s, 1 << 16)]
+            out += [t for s in _selectors3(x, w[..., k + 1], w[..., k + 2]) for t in (s, imad_hi(s, 1 << 16))]
         else:
             sel = x & np.uint64(0x77777777)
             out += [sel, imad_hi(sel, 1 << 16)]

@@ -11,7 +11,7 @@ convert one sequence to and from kvq_ref's packed rows, bit for bit.
 The kernels are compiled per (head_dim, key bits, value bits) on first use (nvcc for CUDA tensors;
 g++ against ``host_emu.h`` for CPU tensors when ``KVQ_CUDA_HOST_EMULATION=1``) and cached like
 ``gpu.cuda.binding``'s library. Configurations: head_dim 64, 128, 256; 2, 3 or 4 bits; Hadamard
-rotation with float16 norms; up to 8 query rows (T G) per KV head; page sizes multiples of 16.
+rotation with float16 norms; up to 8 query rows (T G) per KV head; page sizes powers of two >= 32.
 """
 
 from __future__ import annotations
@@ -43,17 +43,17 @@ _c_int, _c_ptr, _u32 = ctypes.c_int, ctypes.c_void_p, ctypes.c_uint32
 
 
 class _Mul(ctypes.Structure):
-    _fields_ = [(n, _u32) for n in ("m4", "m16", "m17", "m17s16", "m17s26", "m17s10", "s16", "s29", "s30", "s31")]
+    _fields_ = [(n, _u32) for n in ("m17", "m17s16", "s16", "s26", "s28", "s29", "s30", "s31", "m16", "y16")]
 
 
-MUL = (4, 16, 17, 17 << 16, 17 << 26, 17 << 10, 1 << 16, 1 << 29, 1 << 30, 1 << 31)  # KvqMul, in field order
+MUL = (17, 17 << 16, 1 << 16, 1 << 26, 1 << 28, 1 << 29, 1 << 30, 1 << 31, 16, fragment.Y16)  # kvq_frag.cuh KvqMul
 
 
 class _FragArgs(ctypes.Structure):
     _fields_ = [("B", _c_int), ("T", _c_int), ("H", _c_int), ("G", _c_int), ("R", _c_int), ("d", _c_int),
                 ("q", _c_ptr), ("q_dtype", _c_int), ("out_dtype", _c_int), ("out", _c_ptr), ("kv", _c_ptr),
-                ("block_table", _c_ptr), ("seq_lens", _c_ptr), ("page_size", _c_int), ("bt_stride", _c_int),
-                ("band_k", _c_ptr), ("band_v", _c_ptr), ("band_lens", _c_ptr), ("band_dtype", _c_int),
+                ("block_table", _c_ptr), ("seq_lens", _c_ptr), ("page_size", _c_int), ("log_page", _c_int),
+                ("bt_stride", _c_int), ("page_bytes", _u32), ("log_tpp", _u32), ("tpp_mask", _u32), ("band_k", _c_ptr), ("band_v", _c_ptr), ("band_lens", _c_ptr), ("band_dtype", _c_int),
                 ("band_cap", _c_int), ("kpool", _u32 * 4), ("vpool", _u32 * 4), ("mul", _Mul), ("kperm", _c_ptr),
                 ("ksigns", _c_ptr), ("vinv_perm", _c_ptr), ("vsigns", _c_ptr), ("khblock", _c_int),
                 ("vhblock", _c_int), ("sm_scale", ctypes.c_float), ("splits", _c_int), ("chunk", _c_int),
@@ -171,7 +171,8 @@ class FragmentKVCache:
         Parameters
         ----------
         page_size : int
-            Tokens per page, a multiple of 16 (tiles never cross pages).
+            Tokens per page, a power of two >= 32 (tiles of 16 never cross pages, nor do a warp's pairs of
+            tiles; the kernel finds a tile's page with a shift).
         band_dtype : torch.float16 (default) or torch.bfloat16
         """
         import torch
@@ -184,8 +185,8 @@ class FragmentKVCache:
                         ("pages_per_seq", pages_per_seq)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
-        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 16 or page_size % 16:
-            raise ValueError(f"page_size must be a positive multiple of 16, got {page_size!r}")
+        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 32 or page_size & (page_size - 1):
+            raise ValueError(f"page_size must be a power of two >= 32, got {page_size!r}")
         if isinstance(band_capacity, bool) or not isinstance(band_capacity, int) or band_capacity < 0:
             raise ValueError(f"band_capacity must be a non-negative int, got {band_capacity!r}")
         band_dtype = torch.float16 if band_dtype is None else band_dtype
@@ -341,8 +342,9 @@ def fragment_decode_attention(q, cache: FragmentKVCache, ktable=None, vtable=Non
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     kr, vr = _rotation(km, q.device), _rotation(vm, q.device)
     args = _FragArgs(B, T, H, G, T * G, d, _ptr(q), _DT[str(q.dtype)], _DT[str(q.dtype)], _ptr(out), _ptr(cache.kv),
-                     _ptr(cache.block_table), _ptr(cache.seq_lens), cache.page_size, cache.block_table.stride(0),
-                     _ptr(cache.band_k), _ptr(cache.band_v), _ptr(cache.band_lens), _DT[str(cache.band_k.dtype)],
+                     _ptr(cache.block_table), _ptr(cache.seq_lens), cache.page_size, cache.page_size.bit_length() - 1,
+                     cache.block_table.stride(0), H * cache.kv.shape[2] * cache.kv.shape[3],
+                     cache.page_size.bit_length() - 5, cache.kv.shape[2] - 1, _ptr(cache.band_k), _ptr(cache.band_v), _ptr(cache.band_lens), _DT[str(cache.band_k.dtype)],
                      cache.band_k.shape[2], _pools(ktab, km.bits), _pools(vtab, vm.bits), _Mul(*MUL),
                      _ptr(kr["perm"]), _ptr(kr["signs"]), _ptr(vr["inv_perm"]), _ptr(vr["signs"]), kr["block"],
                      vr["block"], scale, plan.splits, plan.chunk, _ptr(workspace))

@@ -64,6 +64,8 @@ inline std::barrier<>* kvq_emu_barrier = nullptr;
 inline void __syncthreads() { kvq_emu_barrier->arrive_and_wait(); }
 
 // ---- integer intrinsics ---------------------------------------------------------------------------
+template <typename T>
+inline T __ldg(const T* p) { return *p; }
 inline unsigned __umulhi(unsigned a, unsigned b) { return (unsigned)(((unsigned long long)a * b) >> 32); }
 inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
   const unsigned long long pool = (unsigned long long)x | ((unsigned long long)y << 32);

@@ -29,75 +29,97 @@ __host__ __device__ constexpr int kvq_frag_tile_bytes(int d, int kb, int vb) {
 }
 
 // The lane's words of one side: 16-byte planes, then an 8-byte and a 4-byte one (fragment.plane_widths).
+// Lane L's bytes of the k-th 16-byte plane are at region + 512 k + 16 L, of the 8-byte plane at
+// region + 512 n16 + 8 L, of the 4-byte plane at region + 512 n16 (+ 256) + 4 L. The loads take the
+// region already offset by the lane (r16 = region + 16 L, r8 = region + 8 L, r4 = region + 4 L), so
+// that one address register per lane offset serves every plane.
 template <int NW>
-__device__ __forceinline__ void kvq_frag_load(const uint8_t* region, int lane, uint32_t (&w)[NW]) {
+__device__ __forceinline__ void kvq_frag_load_l(const uint8_t* r16, const uint8_t* r8, const uint8_t* r4,
+                                                uint32_t (&w)[NW]) {
   constexpr int n16 = NW / 4;
 #pragma unroll
   for (int k = 0; k < n16; ++k) {
-    const uint4 v = *(const uint4*)(region + 512 * k + 16 * lane);
+    const uint4 v = *(const uint4*)(r16 + 512 * k);
     w[4 * k] = v.x;
     w[4 * k + 1] = v.y;
     w[4 * k + 2] = v.z;
     w[4 * k + 3] = v.w;
   }
-  int off = 512 * n16;
+  constexpr int off8 = 512 * n16, off4 = off8 + (NW % 4 >= 2 ? 256 : 0);
   if constexpr (NW % 4 >= 2) {
-    const uint2 v = *(const uint2*)(region + off + 8 * lane);
+    const uint2 v = *(const uint2*)(r8 + off8);
     w[4 * n16] = v.x;
     w[4 * n16 + 1] = v.y;
-    off += 256;
   }
-  if constexpr (NW % 2 == 1) w[NW - 1] = *(const uint32_t*)(region + off + 4 * lane);
+  if constexpr (NW % 2 == 1) w[NW - 1] = *(const uint32_t*)(r4 + off4);
 }
 
-// Multipliers of the lookups: IMAD operands. They are kernel arguments (registers), not literals, so
-// that ptxas keeps the multiply-adds on the FMA pipe instead of strength-reducing them to shifts and
-// LEA on the ALU pipe, which the lookups already load with LOP3 and PRMT.
+template <int NW>
+__device__ __forceinline__ void kvq_frag_load(const uint8_t* region, unsigned lane, uint32_t (&w)[NW]) {
+  kvq_frag_load_l<NW>(region + 16 * lane, region + 8 * lane, region + 4 * lane, w);
+}
+
+// Constants of the lookups, held in (vector) registers: the multipliers are IMAD operands so that
+// ptxas keeps the shifts and multiply-adds on the FMA pipe instead of strength-reducing them to SHF
+// and LEA on the ALU pipe, which LOP3 and PRMT already load; y16 is the selector offset of the 2-bit
+// high pairs (17 * 0x7C40 = 0x4040 mod 2^16). They come from the host (a literal would be folded into
+// LOP3/SHF immediates) and the kernel stages them through shared memory, so that ptxas cannot keep
+// them in uniform registers and copy them to vector registers before every use.
 struct KvqMul {
-  uint32_t m4, m16, m17, m17s16, m17s26, m17s10, s16, s29, s30, s31;
+  uint32_t m17, m17s16, s16, s26, s28, s29, s30, s31, m16, y16;
 };
+// (the host passes these values: gpu/cuda/fragment_cache.py MUL)
+
+// PTX prmt.b32 (default mode). CUDA's __byte_perm masks each selector nibble to 3 bits with an extra
+// LOP3; the selectors here never have bit 3 set (gpu/cuda/fragment.py checks every one).
+__device__ __forceinline__ uint32_t kvq_prmt(uint32_t a, uint32_t b, uint32_t sel) {
+#ifdef KVQ_HOST_EMULATION
+  return __byte_perm(a, b, sel);
+#else
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+#endif
+}
 
 // ---- 2 bits: one word -> 8 pairs (fragment.decode_words) ----------------------------------------
+// For u = w >> 2k: x = (u & 0x03030303) | y16; pair (2k, 2k + 8) from x * 17 + 0x4040 (low half of
+// the selector), pair (2k + 16, 2k + 24) from the high word of x * (17 << 16) (y16 adds the 0x4040).
 __device__ __forceinline__ void kvq_dec2(uint32_t w, uint32_t p0, uint32_t p1, const KvqMul& k, uint32_t* h) {
-  const uint32_t x0 = w & 0x03030303u;
-  const uint32_t x6 = w & 0xC0C0C0C0u;
-  const uint32_t x4 = (w * k.m4) & 0xC0C0C0C0u;
-  const uint32_t x2 = (w * k.m16) & 0xC0C0C0C0u;
-  h[0] = __byte_perm(p0, p1, x0 * k.m17 + 0x4040u);
-  h[1] = __byte_perm(p0, p1, __umulhi(x0, k.m17s16) + 0x4040u);
-  h[2] = __byte_perm(p0, p1, __umulhi(x6, k.m17s26) + 0x4040u);
-  h[3] = __byte_perm(p0, p1, __umulhi(x6, k.m17s10) + 0x4040u);
-  h[4] = __byte_perm(p0, p1, __umulhi(x4, k.m17s26) + 0x4040u);
-  h[5] = __byte_perm(p0, p1, __umulhi(x4, k.m17s10) + 0x4040u);
-  h[6] = __byte_perm(p0, p1, __umulhi(x2, k.m17s26) + 0x4040u);
-  h[7] = __byte_perm(p0, p1, __umulhi(x2, k.m17s10) + 0x4040u);
+  const uint32_t u[4] = {w, __umulhi(w, k.s30), __umulhi(w, k.s28), __umulhi(w, k.s26)};
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const uint32_t x = (u[q] & 0x03030303u) | k.y16;
+    h[2 * q] = kvq_prmt(p0, p1, x * k.m17 + 0x4040u);
+    h[2 * q + 1] = kvq_prmt(p0, p1, __umulhi(x, k.m17s16));
+  }
 }
 
 // ---- 3 and 4 bits: 8-entry byte pools (lo bytes, hi bytes) --------------------------------------
 __device__ __forceinline__ void kvq_pairs8(uint32_t lo4, uint32_t hi4, uint32_t* h) {
-  h[0] = __byte_perm(lo4, hi4, 0x5140u);
-  h[1] = __byte_perm(lo4, hi4, 0x7362u);
+  h[0] = kvq_prmt(lo4, hi4, 0x5140u);
+  h[1] = kvq_prmt(lo4, hi4, 0x7362u);
 }
 
 // 3 words -> 16 pairs.
 __device__ __forceinline__ void kvq_dec3(uint32_t w0, uint32_t w1, uint32_t w2, const uint32_t (&p)[4],
                                          const KvqMul& k, uint32_t* h) {
-  const uint32_t m0 = w0 & 0x88888888u, m1 = w1 & 0x88888888u, m2 = w2 & 0x88888888u;
-  const uint32_t sel[4] = {w0 & 0x77777777u, w1 & 0x77777777u, w2 & 0x77777777u,
-                           __umulhi(m2, k.s31) + (__umulhi(m1, k.s30) + __umulhi(m0, k.s29))};
+  const uint32_t s3 = __umulhi(w0 & 0x88888888u, k.s29) | __umulhi(w1 & 0x88888888u, k.s30) |
+                      __umulhi(w2 & 0x88888888u, k.s31);
+  const uint32_t sel[4] = {w0 & 0x77777777u, w1 & 0x77777777u, w2 & 0x77777777u, s3};
 #pragma unroll
   for (int q = 0; q < 4; ++q) {
     const uint32_t lo = sel[q], hi = __umulhi(sel[q], k.s16);
-    kvq_pairs8(__byte_perm(p[0], p[1], lo), __byte_perm(p[2], p[3], lo), h + 4 * q);
-    kvq_pairs8(__byte_perm(p[0], p[1], hi), __byte_perm(p[2], p[3], hi), h + 4 * q + 2);
+    kvq_pairs8(kvq_prmt(p[0], p[1], lo), kvq_prmt(p[2], p[3], lo), h + 4 * q);
+    kvq_pairs8(kvq_prmt(p[0], p[1], hi), kvq_prmt(p[2], p[3], hi), h + 4 * q + 2);
   }
 }
 
 // 1 word -> 4 pairs (sign-magnitude; negative flags at the byte MSBs of w and of w << 4).
 __device__ __forceinline__ void kvq_dec4(uint32_t w, const uint32_t (&p)[4], const KvqMul& k, uint32_t* h) {
   const uint32_t lo = w & 0x77777777u, hi = __umulhi(lo, k.s16);
-  kvq_pairs8(__byte_perm(p[0], p[1], lo), __byte_perm(p[2], p[3], lo) ^ (w & 0x80808080u), h);
-  kvq_pairs8(__byte_perm(p[0], p[1], hi), __byte_perm(p[2], p[3], hi) ^ ((w * k.m16) & 0x80808080u), h + 2);
+  kvq_pairs8(kvq_prmt(p[0], p[1], lo), kvq_prmt(p[2], p[3], lo) ^ (w & 0x80808080u), h);
+  kvq_pairs8(kvq_prmt(p[0], p[1], hi), kvq_prmt(p[2], p[3], hi) ^ ((w * k.m16) & 0x80808080u), h + 2);
 }
 
 // All pairs of one side.
@@ -137,7 +159,7 @@ __host__ __device__ __forceinline__ void kvq_frag_slot(bool kside, int tok, int 
 template <int B>
 __host__ __device__ __forceinline__ void kvq_frag_field(int i, int hh, int k, int& word, int& bit) {
   if constexpr (B == 2) {
-    constexpr int pairs[8][2] = {{0, 8}, {16, 24}, {6, 14}, {22, 30}, {4, 12}, {20, 28}, {2, 10}, {18, 26}};
+    constexpr int pairs[8][2] = {{0, 8}, {16, 24}, {2, 10}, {18, 26}, {4, 12}, {20, 28}, {6, 14}, {22, 30}};
     word = i / 8;
     bit = pairs[i % 8][hh] + k;
   } else if constexpr (B == 3) {
@@ -162,6 +184,103 @@ template <int B>
 __host__ __device__ __forceinline__ unsigned kvq_frag_symbol(unsigned c) {
   if constexpr (B == 4) return c < 8 ? (7u - c) | 8u : c - 8u;
   return c;
+}
+
+// ---- shared memory by 32-bit address, cp.async -----------------------------------------------------
+// The ring is addressed by explicit shared-window addresses (kvq_saddr) so that ptxas keeps one 32-bit
+// register per lane offset instead of rebuilding generic pointers in the loop. cp.async copies global
+// -> shared with no register holding the bytes in flight. (The host emulation uses plain pointers and
+// copies at once; commit and wait are then nothing.)
+#ifdef KVQ_HOST_EMULATION
+typedef uintptr_t kvq_saddr;
+__device__ __forceinline__ kvq_saddr kvq_smem(const void* p) { return (uintptr_t)p; }
+__device__ __forceinline__ uint4 kvq_lds128(kvq_saddr a) {
+  uint4 v;
+  memcpy(&v, (const void*)a, 16);
+  return v;
+}
+__device__ __forceinline__ uint2 kvq_lds64(kvq_saddr a) {
+  uint2 v;
+  memcpy(&v, (const void*)a, 8);
+  return v;
+}
+__device__ __forceinline__ uint32_t kvq_lds32(kvq_saddr a) {
+  uint32_t v;
+  memcpy(&v, (const void*)a, 4);
+  return v;
+}
+template <int N>
+__device__ __forceinline__ void kvq_cp(kvq_saddr s, const void* g) {
+  memcpy((void*)s, g, N);
+}
+__device__ __forceinline__ void kvq_cp_commit() {}
+template <int N>
+__device__ __forceinline__ void kvq_cp_wait() {}
+#else
+typedef unsigned kvq_saddr;
+__device__ __forceinline__ kvq_saddr kvq_smem(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ uint4 kvq_lds128(kvq_saddr a) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
+  return v;
+}
+__device__ __forceinline__ uint2 kvq_lds64(kvq_saddr a) {
+  uint2 v;
+  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(a));
+  return v;
+}
+__device__ __forceinline__ uint32_t kvq_lds32(kvq_saddr a) {
+  uint32_t v;
+  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(a));
+  return v;
+}
+template <int N>
+__device__ __forceinline__ void kvq_cp(kvq_saddr s, const void* g) {
+  if constexpr (N == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(g) : "memory");
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(s), "l"(g), "n"(N) : "memory");
+  }
+}
+__device__ __forceinline__ void kvq_cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void kvq_cp_wait() {  // all but the N most recent groups have landed
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+#endif
+
+// One side's words of one tile, a lane's share, from global to the same offsets in the ring
+// (addresses offset by the lane as in kvq_frag_load_l; every lane later reads back only what it copied).
+template <int NW>
+__device__ __forceinline__ void kvq_frag_copy_l(kvq_saddr d16, const uint8_t* s16, kvq_saddr d8, const uint8_t* s8,
+                                                kvq_saddr d4, const uint8_t* s4) {
+  constexpr int n16 = NW / 4;
+#pragma unroll
+  for (int k = 0; k < n16; ++k) kvq_cp<16>(d16 + 512 * k, s16 + 512 * k);
+  constexpr int off8 = 512 * n16, off4 = off8 + (NW % 4 >= 2 ? 256 : 0);
+  if constexpr (NW % 4 >= 2) kvq_cp<8>(d8 + off8, s8 + off8);
+  if constexpr (NW % 2 == 1) kvq_cp<4>(d4 + off4, s4 + off4);
+}
+
+// kvq_frag_load_l from the ring.
+template <int NW>
+__device__ __forceinline__ void kvq_frag_lds_l(kvq_saddr r16, kvq_saddr r8, kvq_saddr r4, uint32_t (&w)[NW]) {
+  constexpr int n16 = NW / 4;
+#pragma unroll
+  for (int k = 0; k < n16; ++k) {
+    const uint4 v = kvq_lds128(r16 + 512 * k);
+    w[4 * k] = v.x;
+    w[4 * k + 1] = v.y;
+    w[4 * k + 2] = v.z;
+    w[4 * k + 3] = v.w;
+  }
+  constexpr int off8 = 512 * n16, off4 = off8 + (NW % 4 >= 2 ? 256 : 0);
+  if constexpr (NW % 4 >= 2) {
+    const uint2 v = kvq_lds64(r8 + off8);
+    w[4 * n16] = v.x;
+    w[4 * n16 + 1] = v.y;
+  }
+  if constexpr (NW % 2 == 1) w[NW - 1] = kvq_lds32(r4 + off4);
 }
 
 // ---- tensor-core and special-function wrappers -----------------------------------------------------
@@ -208,6 +327,22 @@ __device__ __forceinline__ uint32_t kvq_pack_half2(float lo, float hi) {
   uint32_t d;
   asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
   return d;
+#endif
+}
+
+// (lo, hi) * (v_h, v_h) for half h of v, fp16 products rounded to nearest even (one HMUL2 with a
+// broadcast operand).
+__device__ __forceinline__ uint32_t kvq_hmul2_bcast(uint32_t p, uint32_t v, int h) {
+#ifdef KVQ_HOST_EMULATION
+  const float b = (float)__ushort_as_half((unsigned short)(v >> (16 * h)));
+  const float lo = (float)__ushort_as_half((unsigned short)(p & 0xFFFFu)) * b;  // exact in float
+  const float hi = (float)__ushort_as_half((unsigned short)(p >> 16)) * b;
+  return (uint32_t)__half_as_ushort(__float2half_rn(lo)) | ((uint32_t)__half_as_ushort(__float2half_rn(hi)) << 16);
+#else
+  const __half2 a = *reinterpret_cast<const __half2*>(&p);
+  const __half2 b = *reinterpret_cast<const __half2*>(&v);
+  const __half2 r = __hmul2(a, h ? __high2half2(b) : __low2half2(b));
+  return *reinterpret_cast<const uint32_t*>(&r);
 #endif
 }
 

@@ -41,6 +41,7 @@
 #define KVQ_FRAG_ROWS 8      // query rows per KV head: the MMA's N
 #define KVQ_BAND_TILE 64     // band tokens per step of the float32 band path
 #define KVQ_LOG2E 1.4426950408889634f
+#define KVQ_FRAG_MIN_BLOCKS 4  // CTAs per SM the register budget must allow: <= 128 registers
 
 #ifndef KVQ_FRAG_D
 #define KVQ_FRAG_D 128
@@ -65,13 +66,15 @@ struct FragArgs {
   const uint8_t* kv;     // (pages, H, page_size / 16, tile_bytes)
   const int* block_table;
   const int* seq_lens;
-  int page_size, bt_stride;
+  int page_size, log_page, bt_stride;  // page_size = 2^log_page >= 32
+  unsigned page_bytes;   // H * page_size / 16 * tile_bytes: bytes from one page to the next
+  unsigned log_tpp, tpp_mask;  // log2(page_size / 16), page_size / 16 - 1
   const void* band_k;    // (B, H, band_cap, d), band_dtype
   const void* band_v;
   const int* band_lens;  // (B,)
   int band_dtype, band_cap;
   uint32_t kpool[4], vpool[4];
-  KvqMul mul;
+  KvqMul mul;            // KVQ_MUL_INIT, from the host (a kernel argument, so ptxas cannot fold it)
   const int* kperm;      // key rotation: perm (d), signs (2, d) = (signs1, signs2), Hadamard block
   const float* ksigns;
   const int* vinv_perm;  // value rotation: inverse perm, signs (2, d), block
@@ -82,12 +85,22 @@ struct FragArgs {
   float* ws;             // (B, H, S + 1, 8, d + 2): m (log2 units), l, acc[d]
 };
 
+// Per configuration: U tiles a warp takes per step (2 below 4 bits: one lazy-softmax check for two
+// tiles), and STAGES shared-memory slots per warp for cp.async (STAGES - 1 groups in flight); the
+// largest of (U, STAGES) = (2, 4), (2, 2), (1, 4), (1, 2) whose ring fits 44 KB of static shared memory.
 template <int D, int KB, int VB>
 struct FragCfg {
-  static constexpr int U = (KB == 4 || VB == 4) ? 1 : 2;  // tiles a warp takes per step
   static constexpr int KS = D / 16;                       // k-steps (K) = m-tiles (V)
   static constexpr int TB = kvq_frag_tile_bytes(D, KB, VB);
   static constexpr int NWK = KvqSide<D, KB>::kWords, NWV = KvqSide<D, VB>::kWords;
+  static constexpr int CODES = 2 * D * (KB + VB);         // K and V bytes of a tile
+  static constexpr int SLOT = CODES + 32 * 8;             // a tile in the ring: codes, then 32 lanes' norms
+  static constexpr int RING_MAX = 44 * 1024;
+  static constexpr bool fits(int u, int st) { return KVQ_FRAG_WARPS * st * u * SLOT <= RING_MAX; }
+  static constexpr int U = (KB < 4 && VB < 4 && (fits(2, 4) || fits(2, 2))) ? 2 : 1;
+  static constexpr int STAGES = fits(U, 4) ? 4 : 2;
+  static constexpr int RING = KVQ_FRAG_WARPS * STAGES * U * SLOT;
+  static_assert(fits(U, STAGES), "the cp.async ring does not fit");
 };
 
 __device__ __forceinline__ float kvq_load_as_float(const void* p, int dtype, size_t i) {
@@ -115,24 +128,152 @@ __device__ void kvq_frag_load_q(const FragArgs& a, int b, int h, float scale, fl
   }
 }
 
-template <int D, int KB, int VB>
-struct TileRegs {
-  uint32_t kw[FragCfg<D, KB, VB>::NWK];
-  uint32_t vw[FragCfg<D, KB, VB>::NWV];
-  uint2 nrm;
+// Where sequence b's tiles of KV head h live, and this lane's offsets into them: tile i is at
+// kv + page_bytes * table[i >> log_tpp] + (i & (tpp - 1)) * tile_bytes (page_size a power of two: no
+// division in the loop). g16/g8/g4 are kv + the head's offset + 16/8/4 lane, gn the lane's norm group;
+// s16/s8/s4 the lane's offsets into the warp's ring.
+struct FragSeq {
+  const int* table;
+  const uint8_t *g16, *g8, *g4, *gn;
+  kvq_saddr s16, s8, s4;
+  unsigned page_bytes, log_tpp, tpp_mask;
 };
 
+// Start the copies of a group of U tiles (the first, `tile`, in page `page`; the group never crosses a
+// page: U divides page_size / 16 and the group's first tile) into the ring slot at byte `soff`.
 template <int D, int KB, int VB>
-__device__ __forceinline__ void kvq_frag_fetch(const FragArgs& a, int b, int h, int tile, int lane,
-                                               TileRegs<D, KB, VB>& r) {
+__device__ __forceinline__ void kvq_frag_issue(const FragSeq& sq, unsigned page, unsigned tile, unsigned soff) {
   using C = FragCfg<D, KB, VB>;
-  const int tok = 16 * tile;
-  const int page = a.block_table[(size_t)b * a.bt_stride + tok / a.page_size];
-  const uint8_t* base = a.kv + (((size_t)page * a.H + h) * (size_t)(a.page_size / 16) + (tok % a.page_size) / 16) *
-                                   (size_t)C::TB;
-  kvq_frag_load<C::NWK>(base, lane, r.kw);
-  kvq_frag_load<C::NWV>(base + KvqSide<D, KB>::kBytes, lane, r.vw);
-  r.nrm = *(const uint2*)(base + KvqSide<D, KB>::kBytes + KvqSide<D, VB>::kBytes + 8 * (lane / 4));
+  constexpr int KBY = KvqSide<D, KB>::kBytes;
+  const unsigned long long delta = (unsigned long long)page * sq.page_bytes + (tile & sq.tpp_mask) * (unsigned)C::TB;
+  const uint8_t *g16 = sq.g16 + delta, *g8 = sq.g8 + delta, *g4 = sq.g4 + delta, *gn = sq.gn + delta;
+  const kvq_saddr s16 = sq.s16 + soff, s8 = sq.s8 + soff, s4 = sq.s4 + soff;
+#pragma unroll
+  for (int u = 0; u < C::U; ++u) {
+    const int so = u * C::SLOT, go = u * C::TB;
+    kvq_frag_copy_l<C::NWK>(s16 + so, g16 + go, s8 + so, g8 + go, s4 + so, g4 + go);
+    kvq_frag_copy_l<C::NWV>(s16 + so + KBY, g16 + go + KBY, s8 + so + KBY, g8 + go + KBY, s4 + so + KBY, g4 + go + KBY);
+    kvq_cp<8>(s8 + so + C::CODES, gn + go);  // the lane's own copy of its norm group
+  }
+}
+
+// A warp's running softmax state: rows 2t, 2t + 1 of the C fragments (logits in log2 units).
+template <int KS>
+struct FragState {
+  float acc[KS][4];   // O^T: (coord 16 i + g (+8), row 2t (+1))
+  float m0, m1;       // running max, -inf before the first token
+  float rf0, rf1;     // the finite reference p is taken against (m, or 0 while m = -inf)
+  float l0, l1;       // this lane's part of the running sums
+};
+
+// Scores of a group: d = s kn / qs - rf (log2 units) for S^T = K Q^T (D / 16 MMAs a tile).
+template <int D, int KB, int VB>
+__device__ __forceinline__ void kvq_frag_scores(const FragState<D / 16>& st, const FragSeq& sq, unsigned soff,
+                                                const uint32_t (&qb)[D / 16][2], const uint32_t (&kpool)[4],
+                                                const KvqMul& mul, float kscale, float (&dd)[FragCfg<D, KB, VB>::U][4],
+                                                uint32_t (&vn)[FragCfg<D, KB, VB>::U]) {
+  using C = FragCfg<D, KB, VB>;
+  constexpr int U = C::U, KS = D / 16;
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    uint32_t kw[C::NWK], hk[D / 4];
+    const int so = soff + u * C::SLOT;
+    kvq_frag_lds_l<C::NWK>(sq.s16 + so, sq.s8 + so, sq.s4 + so, kw);
+    const uint2 nrm = kvq_lds64(sq.s8 + so + C::CODES);
+    kvq_frag_decode<D, KB>(kw, kpool, mul, hk);
+    float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) kvq_mma(sc, hk[4 * ks], hk[4 * ks + 1], hk[4 * ks + 2], hk[4 * ks + 3], qb[ks][0], qb[ks][1]);
+    const float kn0 = kvq_half_lo(nrm.x) * kscale, kn1 = kvq_half_hi(nrm.x) * kscale;
+    vn[u] = nrm.y;
+    dd[u][0] = sc[0] * kn0 - st.rf0;
+    dd[u][1] = sc[1] * kn0 - st.rf1;
+    dd[u][2] = sc[2] * kn1 - st.rf0;
+    dd[u][3] = sc[3] * kn1 - st.rf1;
+  }
+}
+
+// Lazy softmax and O^T += V^T P^T of a group whose scores are dd. Tokens at or past t1 are masked
+// when `partial` (warp-uniform; the split's last group).
+template <int D, int KB, int VB>
+__device__ __forceinline__ void kvq_frag_values(FragState<D / 16>& st, const FragSeq& sq, unsigned soff,
+                                                float (&dd)[FragCfg<D, KB, VB>::U][4], uint32_t (&vn)[FragCfg<D, KB, VB>::U],
+                                                const uint32_t (&vpool)[4], const KvqMul& mul, int first, int t1,
+                                                bool partial, int g) {
+  using C = FragCfg<D, KB, VB>;
+  constexpr int U = C::U, KS = D / 16;
+  if (partial) {  // tokens >= t1 (past the split, or not loaded) weigh nothing
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int tok = KVQ_FRAG_TILE * (first + u) + g;
+      if (tok >= t1) {
+        dd[u][0] = dd[u][1] = -INFINITY;
+        vn[u] &= 0xFFFF0000u;
+      }
+      if (tok + 8 >= t1) {
+        dd[u][2] = dd[u][3] = -INFINITY;
+        vn[u] &= 0x0000FFFFu;
+      }
+    }
+  }
+  // lazy rescaling: only when a score reaches the reference (the sign bit of some d is clear), or on
+  // the masked group (whose reference may still be the placeholder 0)
+  uint32_t all_neg = 0xFFFFFFFFu;
+#pragma unroll
+  for (int u = 0; u < U; ++u)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) all_neg &= (uint32_t)__float_as_int(dd[u][i]);
+  if (__any_sync(0xFFFFFFFFu, partial || (int)all_neg >= 0)) {
+    float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      mx0 = fmaxf(mx0, fmaxf(dd[u][0], dd[u][2]) + st.rf0);
+      mx1 = fmaxf(mx1, fmaxf(dd[u][1], dd[u][3]) + st.rf1);
+    }
+#pragma unroll
+    for (int off = 4; off < 32; off <<= 1) {
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xFFFFFFFFu, mx0, off));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xFFFFFFFFu, mx1, off));
+    }
+    const float n0 = fmaxf(st.m0, mx0), n1 = fmaxf(st.m1, mx1);
+    const float r0 = n0 == -INFINITY ? 0.0f : n0, r1 = n1 == -INFINITY ? 0.0f : n1;
+    const float al0 = kvq_ex2(st.m0 - r0), al1 = kvq_ex2(st.m1 - r1);
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      dd[u][0] += st.rf0 - r0;
+      dd[u][1] += st.rf1 - r1;
+      dd[u][2] += st.rf0 - r0;
+      dd[u][3] += st.rf1 - r1;
+    }
+    st.m0 = n0;
+    st.m1 = n1;
+    st.rf0 = r0;
+    st.rf1 = r1;
+    st.l0 *= al0;
+    st.l1 *= al1;
+#pragma unroll
+    for (int i = 0; i < KS; ++i) {
+      st.acc[i][0] *= al0;
+      st.acc[i][1] *= al1;
+      st.acc[i][2] *= al0;
+      st.acc[i][3] *= al1;
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const float p0 = kvq_ex2(dd[u][0]), p1 = kvq_ex2(dd[u][1]), p2 = kvq_ex2(dd[u][2]), p3 = kvq_ex2(dd[u][3]);
+    st.l0 += p0 + p2;
+    st.l1 += p1 + p3;
+    // p rounded to fp16, times the fp16 value norm (HMUL2, rounded again), transposed to P^T
+    const uint32_t b01 = kvq_movmatrix(kvq_hmul2_bcast(kvq_pack_half2(p0, p1), vn[u], 0));
+    const uint32_t b23 = kvq_movmatrix(kvq_hmul2_bcast(kvq_pack_half2(p2, p3), vn[u], 1));
+    uint32_t vw[C::NWV], hv[D / 4];
+    const int so = soff + u * C::SLOT + KvqSide<D, KB>::kBytes;
+    kvq_frag_lds_l<C::NWV>(sq.s16 + so, sq.s8 + so, sq.s4 + so, vw);
+    kvq_frag_decode<D, VB>(vw, vpool, mul, hv);
+#pragma unroll
+    for (int ms = 0; ms < KS; ++ms) kvq_mma(st.acc[ms], hv[4 * ms], hv[4 * ms + 1], hv[4 * ms + 2], hv[4 * ms + 3], b01, b23);
+  }
 }
 
 // The float32 band partial (original domain) of CTA (b, h, S).
@@ -226,14 +367,17 @@ __device__ void kvq_frag_band(const FragArgs& a, int b, int h, float* s_buf) {
 }
 
 template <int D, int KB, int VB>
-__global__ void __launch_bounds__(KVQ_FRAG_THREADS) kvq_frag_split_kernel(FragArgs a) {
+__global__ void __launch_bounds__(KVQ_FRAG_THREADS, KVQ_FRAG_MIN_BLOCKS) kvq_frag_split_kernel(FragArgs a) {
   using C = FragCfg<D, KB, VB>;
-  constexpr int U = C::U, KS = C::KS;
-  __shared__ float s_buf[KVQ_FRAG_WARPS * KVQ_FRAG_ROWS * D];  // q and its rotation, then the warps' O
+  constexpr int U = C::U, KS = C::KS, NS = C::STAGES;
+  constexpr int QBYTES = KVQ_FRAG_WARPS * KVQ_FRAG_ROWS * D * 4;
+  // q and its rotation (prologue), the cp.async ring (loop), the warps' partial O (epilogue)
+  alignas(16) __shared__ uint8_t s_raw[QBYTES > C::RING ? QBYTES : C::RING];
+  float* s_buf = (float*)s_raw;
   __shared__ float s_m[KVQ_FRAG_WARPS][KVQ_FRAG_ROWS], s_l[KVQ_FRAG_WARPS][KVQ_FRAG_ROWS];
   __shared__ float s_qmax[KVQ_FRAG_WARPS];
 
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int S = a.splits;
   const int b = (int)(blockIdx.x / (unsigned)(a.H * (S + 1)));
   const int h = (int)(blockIdx.x / (unsigned)(S + 1) % (unsigned)a.H);
@@ -289,126 +433,116 @@ __global__ void __launch_bounds__(KVQ_FRAG_THREADS) kvq_frag_split_kernel(FragAr
   }
 
   // ---- the encoded tokens of this split ----
+  // level pools and lookup constants through shared memory (module docstring of kvq_frag.cuh), and
+  // this lane's ring address: the round trip makes it opaque to ptxas, which would otherwise rebuild it
+  // from SR_TID and the shared window in every iteration (s_buf's query copies are dead: the qb are built)
+  __shared__ uint32_t s_pool[8];
+  __shared__ KvqMul s_mul;
+  if (tid < 4) {
+    s_pool[tid] = a.kpool[tid];
+    s_pool[4 + tid] = a.vpool[tid];
+  }
+  if (tid == 0) s_mul = a.mul;
+  __syncthreads();  // every warp has read its q rows
+  struct Park {
+    const int* table;
+    kvq_saddr s16, s8, s4;
+  };
+  Park* park = (Park*)s_raw + tid;
+  const kvq_saddr ring = kvq_smem(s_raw + warp * NS * U * C::SLOT);
+  park->table = a.block_table + (size_t)b * (unsigned)a.bt_stride;
+  park->s16 = ring + 16u * (unsigned)lane;
+  park->s8 = ring + 8u * (unsigned)lane;
+  park->s4 = ring + 4u * (unsigned)lane;
+  __syncthreads();
+  const Park parked = *park;
+  __syncthreads();  // the ring may overwrite the parking spot from now on
   uint32_t kpool[4], vpool[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    kpool[i] = a.kpool[i];
-    vpool[i] = a.vpool[i];
+    kpool[i] = s_pool[i];
+    vpool[i] = s_pool[4 + i];
   }
-  const KvqMul mul = a.mul;
+  const KvqMul mul = s_mul;
   const int n = a.seq_lens[b];
   const int t0 = min(n, s * a.chunk), t1 = min(n, (s + 1) * a.chunk);
-  // t0 is a multiple of 16 unless the split is empty (t0 = t1 = n): then it has no tile
+  // t0 is a multiple of 16 U unless the split is empty (t0 = t1 = n): then it has no tile
   const int tile0 = t0 / KVQ_FRAG_TILE, tile1 = t1 > t0 ? (t1 + KVQ_FRAG_TILE - 1) / KVQ_FRAG_TILE : tile0;
   const int groups = (tile1 - tile0 + U - 1) / U;
-  float acc[KS][4];
+  FragState<KS> st;
 #pragma unroll
-  for (int i = 0; i < KS; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
-  float m0 = -INFINITY, m1 = -INFINITY;  // running max of query rows 2t, 2t + 1 (log2 units)
-  float rf0 = 0.0f, rf1 = 0.0f;          // the finite reference p is taken against
-  float l0 = 0.0f, l1 = 0.0f;            // this lane's part of the running sums
-  TileRegs<D, KB, VB> nxt[U] = {};
+  for (int i = 0; i < KS; ++i) st.acc[i][0] = st.acc[i][1] = st.acc[i][2] = st.acc[i][3] = 0.0f;
+  st.m0 = st.m1 = -INFINITY;
+  st.rf0 = st.rf1 = st.l0 = st.l1 = 0.0f;
   if (warp < groups) {
+    // group grp holds tiles tile0 + U grp + [0, U); a tile past the split's last one is in the same
+    // page (U divides page_size / 16) and is masked
+    const unsigned tpp = (unsigned)a.page_size / KVQ_FRAG_TILE;
+    const unsigned ul = (unsigned)lane;
+    const uint8_t* kvh = a.kv + (size_t)h * tpp * (unsigned)C::TB;
+    FragSeq sq;
+    sq.table = parked.table;
+    sq.g16 = kvh + 16u * ul;
+    sq.g8 = kvh + 8u * ul;
+    sq.g4 = kvh + 4u * ul;
+    sq.gn = kvh + C::CODES + 8u * (ul >> 2);
+    sq.s16 = parked.s16;
+    sq.s8 = parked.s8;
+    sq.s4 = parked.s4;
+    sq.page_bytes = a.page_bytes;
+    sq.log_tpp = a.log_tpp;
+    sq.tpp_mask = a.tpp_mask;
+    // cp.async pipeline: the warp's j-th group (tiles tile0 + U (warp + 4 j) + [0, U)) goes to slot j % NS;
+    // NS - 1 groups are in flight while one is computed. Page ids are read one group ahead of the copies.
+    const int mine = (groups - warp + KVQ_FRAG_WARPS - 1) / KVQ_FRAG_WARPS;  // this warp's groups
+    constexpr unsigned STEP = KVQ_FRAG_WARPS * U;                              // tiles between them
+    constexpr unsigned USLOT = U * C::SLOT;
+    unsigned tl = (unsigned)(tile0 + U * warp);                               // next group to issue
+    unsigned page = (unsigned)__ldg(sq.table + (tl >> sq.log_tpp));
+    int j = 0;
 #pragma unroll
-    for (int u = 0; u < U; ++u)
-      if (tile0 + warp * U + u < tile1) kvq_frag_fetch<D, KB, VB>(a, b, h, tile0 + warp * U + u, lane, nxt[u]);
-  }
-  for (int grp = warp; grp < groups; grp += KVQ_FRAG_WARPS) {
-    TileRegs<D, KB, VB> cur[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) cur[u] = nxt[u];
-    const int first = tile0 + grp * U;
-    if (grp + KVQ_FRAG_WARPS < groups) {  // the warp's next group, one step ahead
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int tl = first + KVQ_FRAG_WARPS * U + u;
-        if (tl < tile1) kvq_frag_fetch<D, KB, VB>(a, b, h, tl, lane, nxt[u]);
+    for (; j < NS - 1; ++j) {
+      if (j < mine) {
+        const unsigned next_page = (unsigned)__ldg(sq.table + (min(tl + STEP, (unsigned)tile1 - 1u) >> sq.log_tpp));
+        kvq_frag_issue<D, KB, VB>(sq, page, tl, j * USLOT);
+        page = next_page;
+        tl += STEP;
       }
+      kvq_cp_commit();
     }
-    // scores S^T = K Q^T, times the key norms
-    float z[U][4], vn[U][2];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      uint32_t hk[D / 4];
-      kvq_frag_decode<D, KB>(cur[u].kw, kpool, mul, hk);
-      float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-      for (int ks = 0; ks < KS; ++ks) kvq_mma(sc, hk[4 * ks], hk[4 * ks + 1], hk[4 * ks + 2], hk[4 * ks + 3], qb[ks][0], qb[ks][1]);
-      const float kn0 = kvq_half_lo(cur[u].nrm.x) * kscale, kn1 = kvq_half_hi(cur[u].nrm.x) * kscale;
-      z[u][0] = sc[0] * kn0;
-      z[u][1] = sc[1] * kn0;
-      z[u][2] = sc[2] * kn1;
-      z[u][3] = sc[3] * kn1;
-      vn[u][0] = kvq_half_lo(cur[u].nrm.y);
-      vn[u][1] = kvq_half_hi(cur[u].nrm.y);
+    float dd[U][4];
+    uint32_t vn[U];
+    unsigned first = (unsigned)(tile0 + U * warp);  // the group being computed
+    int i = 0;
+    for (; i + NS - 1 < mine; ++i) {  // steady state: issue group i + NS - 1, compute group i
+      const unsigned next_page = (unsigned)__ldg(sq.table + (min(tl + STEP, (unsigned)tile1 - 1u) >> sq.log_tpp));
+      kvq_frag_issue<D, KB, VB>(sq, page, tl, ((i + NS - 1) & (NS - 1)) * USLOT);
+      kvq_cp_commit();
+      page = next_page;
+      tl += STEP;
+      kvq_cp_wait<NS - 1>();
+      const unsigned soff = (i & (NS - 1)) * USLOT;
+      kvq_frag_scores<D, KB, VB>(st, sq, soff, qb, kpool, mul, kscale, dd, vn);
+      kvq_frag_values<D, KB, VB>(st, sq, soff, dd, vn, vpool, mul, (int)first, t1, false, g);
+      first += STEP;
     }
-    // the split's last group: mask tokens >= t1 (past the sequence, their slots may hold anything; or
-    // the next split's, or a tile of the group past the split, which was not loaded)
-    const bool partial = KVQ_FRAG_TILE * (first + U) > t1;
-    if (partial) {
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int tok = KVQ_FRAG_TILE * (first + u) + g;
-        if (tok >= t1) {
-          z[u][0] = z[u][1] = -INFINITY;
-          vn[u][0] = 0.0f;
-        }
-        if (tok + 8 >= t1) {
-          z[u][2] = z[u][3] = -INFINITY;
-          vn[u][1] = 0.0f;
-        }
-      }
-    }
-    float mx0 = fmaxf(z[0][0], z[0][2]), mx1 = fmaxf(z[0][1], z[0][3]);
-#pragma unroll
-    for (int u = 1; u < U; ++u) {
-      mx0 = fmaxf(mx0, fmaxf(z[u][0], z[u][2]));
-      mx1 = fmaxf(mx1, fmaxf(z[u][1], z[u][3]));
-    }
-    // lazy rescaling: only when a score exceeds the running max (or on the masked tile)
-    if (__any_sync(0xFFFFFFFFu, partial || mx0 > m0 || mx1 > m1)) {
-#pragma unroll
-      for (int off = 4; off < 32; off <<= 1) {
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xFFFFFFFFu, mx0, off));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xFFFFFFFFu, mx1, off));
-      }
-      const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
-      const float r0 = n0 == -INFINITY ? 0.0f : n0, r1 = n1 == -INFINITY ? 0.0f : n1;
-      const float al0 = kvq_ex2(m0 - r0), al1 = kvq_ex2(m1 - r1);
-      m0 = n0;
-      m1 = n1;
-      rf0 = r0;
-      rf1 = r1;
-      l0 *= al0;
-      l1 *= al1;
-#pragma unroll
-      for (int i = 0; i < KS; ++i) {
-        acc[i][0] *= al0;
-        acc[i][1] *= al1;
-        acc[i][2] *= al0;
-        acc[i][3] *= al1;
-      }
-    }
-    // P^T (value norms folded in) and O^T += V^T P^T
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const float p0 = kvq_ex2(z[u][0] - rf0), p1 = kvq_ex2(z[u][1] - rf1);
-      const float p2 = kvq_ex2(z[u][2] - rf0), p3 = kvq_ex2(z[u][3] - rf1);
-      l0 += p0 + p2;
-      l1 += p1 + p3;
-      const uint32_t b01 = kvq_movmatrix(kvq_pack_half2(p0 * vn[u][0], p1 * vn[u][0]));
-      const uint32_t b23 = kvq_movmatrix(kvq_pack_half2(p2 * vn[u][1], p3 * vn[u][1]));
-      uint32_t hv[D / 4];
-      kvq_frag_decode<D, VB>(cur[u].vw, vpool, mul, hv);
-#pragma unroll
-      for (int ms = 0; ms < KS; ++ms) kvq_mma(acc[ms], hv[4 * ms], hv[4 * ms + 1], hv[4 * ms + 2], hv[4 * ms + 3], b01, b23);
+    for (; i < mine; ++i) {  // drain: the last NS - 1 groups (the split's last one may be partial)
+      kvq_cp_commit();
+      kvq_cp_wait<NS - 1>();
+      const unsigned soff = (i & (NS - 1)) * USLOT;
+      kvq_frag_scores<D, KB, VB>(st, sq, soff, qb, kpool, mul, kscale, dd, vn);
+      kvq_frag_values<D, KB, VB>(st, sq, soff, dd, vn, vpool, mul, (int)first, t1,
+                                 KVQ_FRAG_TILE * ((int)first + U) > t1, g);
+      first += STEP;
     }
   }
+  float l0 = st.l0, l1 = st.l1;
 #pragma unroll
   for (int off = 4; off < 32; off <<= 1) {
     l0 += __shfl_xor_sync(0xFFFFFFFFu, l0, off);
     l1 += __shfl_xor_sync(0xFFFFFFFFu, l1, off);
   }
+  const float m0 = st.m0, m1 = st.m1;
 
   // ---- the four warps' partials, merged in shared memory ----
   __syncthreads();  // s_buf's query copies are dead
@@ -421,10 +555,10 @@ __global__ void __launch_bounds__(KVQ_FRAG_THREADS) kvq_frag_split_kernel(FragAr
   }
 #pragma unroll
   for (int i = 0; i < KS; ++i) {
-    s_o[(2 * t) * D + 16 * i + g] = acc[i][0];
-    s_o[(2 * t + 1) * D + 16 * i + g] = acc[i][1];
-    s_o[(2 * t) * D + 16 * i + g + 8] = acc[i][2];
-    s_o[(2 * t + 1) * D + 16 * i + g + 8] = acc[i][3];
+    s_o[(2 * t) * D + 16 * i + g] = st.acc[i][0];
+    s_o[(2 * t + 1) * D + 16 * i + g] = st.acc[i][1];
+    s_o[(2 * t) * D + 16 * i + g + 8] = st.acc[i][2];
+    s_o[(2 * t + 1) * D + 16 * i + g + 8] = st.acc[i][3];
   }
   __syncthreads();
   for (int i = tid; i < a.R * (D + 2); i += KVQ_FRAG_THREADS) {
@@ -522,12 +656,12 @@ __global__ void kvq_frag_decode_kernel(const uint8_t* tiles, FragArgs a, uint32_
   using C = FragCfg<D, KB, VB>;
   const int lane = threadIdx.x % 32;
   const uint8_t* base = tiles + (size_t)blockIdx.x * C::TB;
-  TileRegs<D, KB, VB> r;
-  kvq_frag_load<C::NWK>(base, lane, r.kw);
-  kvq_frag_load<C::NWV>(base + KvqSide<D, KB>::kBytes, lane, r.vw);
+  uint32_t kw[C::NWK], vw[C::NWV];
+  kvq_frag_load<C::NWK>(base, lane, kw);
+  kvq_frag_load<C::NWV>(base + KvqSide<D, KB>::kBytes, lane, vw);
   uint32_t hk[D / 4], hv[D / 4];
-  kvq_frag_decode<D, KB>(r.kw, a.kpool, a.mul, hk);
-  kvq_frag_decode<D, VB>(r.vw, a.vpool, a.mul, hv);
+  kvq_frag_decode<D, KB>(kw, a.kpool, a.mul, hk);
+  kvq_frag_decode<D, VB>(vw, a.vpool, a.mul, hv);
   for (int i = 0; i < D / 4; ++i) {
     out_k[((size_t)blockIdx.x * 32 + lane) * (D / 4) + i] = hk[i];
     out_v[((size_t)blockIdx.x * 32 + lane) * (D / 4) + i] = hv[i];
@@ -543,7 +677,9 @@ extern "C" int kvq_frag_config(int which) { return which == 0 ? KVQ_FRAG_D : whi
 extern "C" int kvq_frag_attention(const FragArgs* args, void* stream) {
   const FragArgs& a = *args;
   if (a.d != KVQ_FRAG_D || a.B < 0 || a.H < 1 || a.T < 1 || a.G < 1 || a.R != a.T * a.G || a.R > KVQ_FRAG_ROWS ||
-      a.page_size < 16 || a.page_size % 16 || a.splits < 1 || a.chunk < 16 || a.chunk % 16 || a.band_cap < 1 ||
+      a.page_size < 32 || a.log_page < 5 || a.log_page > 30 || a.page_size != 1 << a.log_page ||
+      a.page_bytes != (unsigned)(a.H * (a.page_size / 16) * FragCfg<KVQ_FRAG_CFG>::TB) ||
+      a.log_tpp != (unsigned)(a.log_page - 4) || a.tpp_mask != (unsigned)(a.page_size / 16 - 1) || a.splits < 1 || a.chunk < 16 || a.chunk % 16 || a.band_cap < 1 ||
       a.khblock < 1 || KVQ_FRAG_D % a.khblock || a.vhblock < 1 || KVQ_FRAG_D % a.vhblock || a.ws == nullptr ||
       (long long)a.B * a.H * (a.splits + 1) > 0x7FFFFFFFLL)
     return KVQ_EINVAL;
