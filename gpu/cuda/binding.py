@@ -141,8 +141,11 @@ def build_host_emulation(sources=SOURCES, defines: tuple = (), tag: str = "kvq_h
     cxx = os.environ.get("CXX") or shutil.which("g++")
     if not cxx:
         raise CudaUnavailableError("no host C++ compiler (g++ or $CXX) for the CUDA host emulation")
-    return _cached_build(tag, cxx, ["-std=c++20", "-O2", "-ffp-contract=off", "-fPIC", "-shared", "-pthread",
-                                    "-x", "c++", "-include", "host_emu.h", "-I", ".", *defines], sources)
+    # -fno-ipa-icf: g++ 12.2 -O2 folded two template instances of the fragment append kernel's helpers
+    # that differ (identical code folding), so a 4-bit lane wrote all its words to one address when a
+    # 2-bit one was instantiated beside it (tests/gpu/test_cuda_fragment.py's append round trip)
+    return _cached_build(tag, cxx, ["-std=c++20", "-O2", "-fno-ipa-icf", "-ffp-contract=off", "-fPIC", "-shared",
+                                    "-pthread", "-x", "c++", "-include", "host_emu.h", "-I", ".", *defines], sources)
 
 
 # ---- compile check: ptxas registers and spills --------------------------------------------------

@@ -28,7 +28,7 @@ from kvq_ref.turboquant import TurboQuantMSE
 
 from ..schedule import plan_splits
 from ..tables import DeviceTable, TableMismatchError, load_device_table
-from . import binding, fragment
+from . import binding, fragment, lookup
 from .binding import CudaUnavailableError
 
 __all__ = ["FragmentKVCache", "append_fragment", "fragment_decode_attention", "decode_tiles", "write_rows",
@@ -54,7 +54,7 @@ class _FragArgs(ctypes.Structure):
                 ("q", _c_ptr), ("q_dtype", _c_int), ("out_dtype", _c_int), ("out", _c_ptr), ("kv", _c_ptr),
                 ("block_table", _c_ptr), ("seq_lens", _c_ptr), ("page_size", _c_int), ("log_page", _c_int),
                 ("bt_stride", _c_int), ("page_bytes", _u32), ("log_tpp", _u32), ("tpp_mask", _u32), ("band_k", _c_ptr), ("band_v", _c_ptr), ("band_lens", _c_ptr), ("band_dtype", _c_int),
-                ("band_cap", _c_int), ("kpool", _u32 * 4), ("vpool", _u32 * 4), ("mul", _Mul), ("kperm", _c_ptr),
+                ("band_cap", _c_int), ("kpool", _u32 * 4), ("vpool", _u32 * 4), ("mul", _Mul), ("ksigma", ctypes.c_float), ("kperm", _c_ptr),
                 ("ksigns", _c_ptr), ("vinv_perm", _c_ptr), ("vsigns", _c_ptr), ("khblock", _c_int),
                 ("vhblock", _c_int), ("sm_scale", ctypes.c_float), ("splits", _c_int), ("chunk", _c_int),
                 ("ws", _c_ptr)]
@@ -242,8 +242,12 @@ def _ptr(t):
     return t.data_ptr() if t is not None and t.numel() else None
 
 
-def _pools(table: DeviceTable, bits: int):
-    return (_u32 * 4)(*[int(x) for x in fragment.pools(table.codebook.levels, bits)])
+def _pools(table: DeviceTable, bits: int, side: str = "v"):
+    return (_u32 * 4)(*[int(x) for x in lookup.pools(table.codebook.levels, bits, fragment.is_int8(side, bits))])
+
+
+def _ksigma(table: DeviceTable, bits: int) -> float:
+    return float(lookup.int8_levels(table.codebook.levels)[1]) if fragment.is_int8("k", bits) else 1.0
 
 
 def append_fragment(cache: FragmentKVCache, k, v, ktable=None, vtable=None):
@@ -345,7 +349,7 @@ def fragment_decode_attention(q, cache: FragmentKVCache, ktable=None, vtable=Non
                      _ptr(cache.block_table), _ptr(cache.seq_lens), cache.page_size, cache.page_size.bit_length() - 1,
                      cache.block_table.stride(0), H * cache.kv.shape[2] * cache.kv.shape[3],
                      cache.page_size.bit_length() - 5, cache.kv.shape[2] - 1, _ptr(cache.band_k), _ptr(cache.band_v), _ptr(cache.band_lens), _DT[str(cache.band_k.dtype)],
-                     cache.band_k.shape[2], _pools(ktab, km.bits), _pools(vtab, vm.bits), _Mul(*MUL),
+                     cache.band_k.shape[2], _pools(ktab, km.bits, "k"), _pools(vtab, vm.bits), _Mul(*MUL), _ksigma(ktab, km.bits),
                      _ptr(kr["perm"]), _ptr(kr["signs"]), _ptr(vr["inv_perm"]), _ptr(vr["signs"]), kr["block"],
                      vr["block"], scale, plan.splits, plan.chunk, _ptr(workspace))
     _call(lib, backend, q.device, "kvq_frag_attention", ctypes.byref(args))
@@ -364,7 +368,7 @@ def decode_tiles(tiles, d: int, kbits: int, vbits: int, ktable=None, vtable=None
     n = tiles.shape[0]
     out = [torch.zeros((n, 32, d // 4), dtype=torch.int32, device=tiles.device) for _ in range(2)]
     args = _FragArgs()
-    args.kpool, args.vpool, args.mul = _pools(ktab, kbits), _pools(vtab, vbits), _Mul(*MUL)
+    args.kpool, args.vpool, args.mul = _pools(ktab, kbits, "k"), _pools(vtab, vbits), _Mul(*MUL)
     _call(lib, backend, tiles.device, "kvq_frag_decode_tiles", _ptr(tiles.contiguous()), n, ctypes.byref(args),
           _ptr(out[0]), _ptr(out[1]))
     return out[0], out[1]

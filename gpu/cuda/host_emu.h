@@ -1,7 +1,7 @@
 // Host emulation of the CUDA subset used by the kvq kernels, for checking them without a GPU.
 //
 // Build (gpu/cuda/binding.py, build_host_emulation):
-//     g++ -std=c++20 -O2 -ffp-contract=off -fPIC -shared -pthread -x c++ -include host_emu.h *.cu
+//     g++ -std=c++20 -O2 -fno-ipa-icf -ffp-contract=off -fPIC -shared -pthread -x c++ -include host_emu.h *.cu
 //
 // Model: a launch runs the grid's blocks one after another; each block is run by blockDim.x
 // std::threads (the same threads for every block), __syncthreads() is a std::barrier over them,
@@ -66,6 +66,7 @@ inline void __syncthreads() { kvq_emu_barrier->arrive_and_wait(); }
 // ---- integer intrinsics ---------------------------------------------------------------------------
 template <typename T>
 inline T __ldg(const T* p) { return *p; }
+inline int __float2int_rn(float x) { return (int)std::nearbyint(x); }  // round to nearest even
 inline unsigned __umulhi(unsigned a, unsigned b) { return (unsigned)(((unsigned long long)a * b) >> 32); }
 inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
   const unsigned long long pool = (unsigned long long)x | ((unsigned long long)y << 32);
@@ -140,6 +141,25 @@ inline void mma_m16n8k16_f16(float (&d)[4], const unsigned (&a)[4], unsigned b0,
     double acc = (double)c[e];
     for (int k = 0; k < 16; ++k) acc += A(row, k) * B(k, col);
     out[e] = (float)acc;
+  }
+  for (int e = 0; e < 4; ++e) d[e] = out[e];
+}
+
+// mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 d, a, b, d: A row g (+8) holds k 4t..4t+3 (+16)
+// in a0 (a1), a2 (a3); B column g holds k 4t..4t+3 in b0, +16 in b1; exact int32 sums.
+inline void mma_m16n8k32_s8(int (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+  unsigned mine[6] = {a[0], a[1], a[2], a[3], b0, b1};
+  unsigned (*st)[kStageWords] = exchange(mine, 6);
+  const int g = lane_id() / 4, t = lane_id() % 4;
+  auto byte = [](unsigned w, int j) { return (int)(signed char)((w >> (8 * j)) & 0xFFu); };
+  auto A = [&](int row, int k) { return byte(st[(row % 8) * 4 + (k % 16) / 4][(row / 8) + 2 * (k / 16)], k % 4); };
+  auto B = [&](int k, int n) { return byte(st[n * 4 + (k % 16) / 4][4 + k / 16], k % 4); };
+  int out[4];
+  for (int e = 0; e < 4; ++e) {
+    const int row = g + 8 * (e / 2), col = 2 * t + (e % 2);
+    long long acc = d[e];
+    for (int k = 0; k < 32; ++k) acc += A(row, k) * B(k, col);
+    out[e] = (int)acc;
   }
   for (int e = 0; e < 4; ++e) d[e] = out[e];
 }

@@ -122,6 +122,25 @@ __device__ __forceinline__ void kvq_dec4(uint32_t w, const uint32_t (&p)[4], con
   kvq_pairs8(kvq_prmt(p[0], p[1], hi), kvq_prmt(p[2], p[3], hi) ^ ((w * k.m16) & 0x80808080u), h + 2);
 }
 
+// ---- int8 keys, 2 bits: one word -> the 4 quads (A fragment of mma.m16n8k32.s8) of a k-step -------
+// p = (A, A, B0, B1): A = int8 levels L0..L3, (B0, B1) = L0 L0 L1 L1 L2 L2 L3 L3 (the junk bit of each
+// selector nibble picks between equal bytes).
+__device__ __forceinline__ void kvq_dec2i8(uint32_t w, const uint32_t (&p)[4], const KvqMul& k, uint32_t* q) {
+  const uint32_t sa = w & 0x77777777u, sb = __umulhi(w, k.s31) & 0x77777777u;
+  q[0] = kvq_prmt(p[0], p[1], sa);
+  q[1] = kvq_prmt(p[0], p[1], __umulhi(sa, k.s16));
+  q[2] = kvq_prmt(p[2], p[3], sb);
+  q[3] = kvq_prmt(p[2], p[3], __umulhi(sb, k.s16));
+}
+
+// All quads of the 2-bit keys (D / 32 words -> D / 8 registers).
+template <int D>
+__device__ __forceinline__ void kvq_frag_decode_i8(const uint32_t (&w)[D / 32], const uint32_t (&p)[4], const KvqMul& k,
+                                                   uint32_t (&q)[D / 8]) {
+#pragma unroll
+  for (int s = 0; s < D / 32; ++s) kvq_dec2i8(w[s], p, k, q + 4 * s);
+}
+
 // All pairs of one side.
 template <int D, int B>
 __device__ __forceinline__ void kvq_frag_decode(const uint32_t (&w)[KvqSide<D, B>::kWords], const uint32_t (&p)[4],
@@ -155,10 +174,15 @@ __host__ __device__ __forceinline__ void kvq_frag_slot(bool kside, int tok, int 
   }
 }
 
-// Word (within the lane) and bit of bit k of the symbol stored for half hh of pair i.
-template <int B>
+// Word (within the lane) and bit of bit k of the symbol stored for code hh of register i (an fp16 pair,
+// or for I8 the int8 quad of the 2-bit keys: register i = 4 s + r of word s, byte hh at bit
+// 4 hh + 16 (r & 1) + 2 (r >> 1)).
+template <int B, bool I8 = false>
 __host__ __device__ __forceinline__ void kvq_frag_field(int i, int hh, int k, int& word, int& bit) {
-  if constexpr (B == 2) {
+  if constexpr (I8) {
+    word = i / 4;
+    bit = 4 * hh + 16 * (i % 4 & 1) + 2 * (i % 4 >> 1) + k;
+  } else if constexpr (B == 2) {
     constexpr int pairs[8][2] = {{0, 8}, {16, 24}, {2, 10}, {18, 26}, {4, 12}, {20, 28}, {6, 14}, {22, 30}};
     word = i / 8;
     bit = pairs[i % 8][hh] + k;
@@ -293,6 +317,19 @@ __device__ __forceinline__ void kvq_mma(float (&c)[4], uint32_t a0, uint32_t a1,
 #else
   asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#endif
+}
+
+// c += A (16 x 32, row) * B (32 x 8, col), int8 inputs, int32 accumulate (exact).
+__device__ __forceinline__ void kvq_mma_s8(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                           uint32_t b0, uint32_t b1) {
+#ifdef KVQ_HOST_EMULATION
+  const unsigned a[4] = {a0, a1, a2, a3};
+  kvq_emu::mma_m16n8k32_s8(c, a, b0, b1);
+#else
+  asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 #endif
 }

@@ -57,22 +57,34 @@ __device__ __forceinline__ int kvq_frag_word_offset(int lane, int wd) {
 }
 
 // Lane `lane` of one side: rewrite the bits of the tokens flagged in `is_new` (symbols in sym[tok][j]).
-template <int D, int B>
+// I8: the 2-bit keys' int8 quads (register i = 4 s + r: token g + 8 (r & 1), coordinates
+// 32 s + 16 (r >> 1) + 4 t + hh); else fp16 pairs (kvq_frag.cuh).
+template <int D, int B, bool I8>
 __device__ void kvq_frag_write_lane(uint8_t* region, int lane, bool kside, const uint8_t (*sym)[D], const bool* is_new) {
   constexpr int NW = KvqSide<D, B>::kWords;
+  constexpr int UNITS = I8 ? D / 8 : D / 4, PER = I8 ? 4 : 2;
   uint32_t w[NW];
   for (int k = 0; k < NW; ++k) w[k] = *(const uint32_t*)(region + kvq_frag_word_offset<NW>(lane, k));
   const int g = lane / 4, t = lane % 4;
-  for (int i = 0; i < D / 4; ++i) {
+  for (int i = 0; i < UNITS; ++i) {
     const int s = i / 4, r = i % 4;
-    for (int hh = 0; hh < 2; ++hh) {
-      const int tok = kside ? g + 8 * (r & 1) : 2 * t + 8 * (r >> 1) + hh;
-      const int j = kside ? 16 * s + 2 * t + 8 * (r >> 1) + hh : 16 * s + g + 8 * (r & 1);
+    for (int hh = 0; hh < PER; ++hh) {
+      int tok, j;
+      if (I8) {
+        tok = g + 8 * (r & 1);
+        j = 32 * s + 16 * (r >> 1) + 4 * t + hh;
+      } else if (kside) {
+        tok = g + 8 * (r & 1);
+        j = 16 * s + 2 * t + 8 * (r >> 1) + hh;
+      } else {
+        tok = 2 * t + 8 * (r >> 1) + hh;
+        j = 16 * s + g + 8 * (r & 1);
+      }
       if (!is_new[tok]) continue;
       const unsigned v = sym[tok][j];
       for (int k = 0; k < B; ++k) {
         int word, bit;
-        kvq_frag_field<B>(i, hh, k, word, bit);
+        kvq_frag_field<B, I8>(i, hh, k, word, bit);
         w[word] = (w[word] & ~(1u << bit)) | (((v >> k) & 1u) << bit);
       }
     }
@@ -118,9 +130,9 @@ __global__ void kvq_frag_append_kernel(FragAppendArgs a) {
                           (KVQ_FRAG_TILE * tile % a.page_size) / KVQ_FRAG_TILE) *
                              (size_t)kvq_frag_tile_bytes(D, KB, VB);
   if (tid < 32) {
-    kvq_frag_write_lane<D, KB>(base, tid, true, s_sym[0], s_new);
+    kvq_frag_write_lane<D, KB, KB == 2>(base, tid, true, s_sym[0], s_new);
   } else if (tid < 64) {
-    kvq_frag_write_lane<D, VB>(base + KvqSide<D, KB>::kBytes, tid - 32, false, s_sym[1], s_new);
+    kvq_frag_write_lane<D, VB, false>(base + KvqSide<D, KB>::kBytes, tid - 32, false, s_sym[1], s_new);
   } else if (tid < 64 + KVQ_FRAG_TILE && s_new[tid - 64]) {
     const int tok = tid - 64;  // norm group tok % 8: (kn[g], kn[g + 8], vn[g], vn[g + 8])
     unsigned short* nrm = (unsigned short*)(base + KvqSide<D, KB>::kBytes + KvqSide<D, VB>::kBytes) + 4 * (tok % 8);

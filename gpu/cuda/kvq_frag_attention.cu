@@ -74,7 +74,8 @@ struct FragArgs {
   const int* band_lens;  // (B,)
   int band_dtype, band_cap;
   uint32_t kpool[4], vpool[4];
-  KvqMul mul;            // KVQ_MUL_INIT, from the host (a kernel argument, so ptxas cannot fold it)
+  KvqMul mul;            // from the host (a kernel argument, so ptxas cannot fold it)
+  float ksigma;          // 2-bit keys: the int8 levels are ksigma * level (gpu.cuda.lookup.int8_levels)
   const int* kperm;      // key rotation: perm (d), signs (2, d) = (signs1, signs2), Hadamard block
   const float* ksigns;
   const int* vinv_perm;  // value rotation: inverse perm, signs (2, d), block
@@ -176,14 +177,31 @@ __device__ __forceinline__ void kvq_frag_scores(const FragState<D / 16>& st, con
   constexpr int U = C::U, KS = D / 16;
 #pragma unroll
   for (int u = 0; u < U; ++u) {
-    uint32_t kw[C::NWK], hk[D / 4];
+    uint32_t kw[C::NWK];
     const int so = soff + u * C::SLOT;
     kvq_frag_lds_l<C::NWK>(sq.s16 + so, sq.s8 + so, sq.s4 + so, kw);
     const uint2 nrm = kvq_lds64(sq.s8 + so + C::CODES);
-    kvq_frag_decode<D, KB>(kw, kpool, mul, hk);
-    float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    float sc[4];
+    if constexpr (KB == 2) {  // int8 keys: two passes (query high and low bytes), exact int32 sums
+      uint32_t q8[D / 8];
+      kvq_frag_decode_i8<D>(kw, kpool, mul, q8);
+      int acc[4] = {0, 0, 0, 0};
 #pragma unroll
-    for (int ks = 0; ks < KS; ++ks) kvq_mma(sc, hk[4 * ks], hk[4 * ks + 1], hk[4 * ks + 2], hk[4 * ks + 3], qb[ks][0], qb[ks][1]);
+      for (int ks = 0; ks < D / 32; ++ks) kvq_mma_s8(acc, q8[4 * ks], q8[4 * ks + 1], q8[4 * ks + 2], q8[4 * ks + 3], qb[ks][0], qb[ks][1]);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[e] *= 256;
+#pragma unroll
+      for (int ks = 0; ks < D / 32; ++ks)
+        kvq_mma_s8(acc, q8[4 * ks], q8[4 * ks + 1], q8[4 * ks + 2], q8[4 * ks + 3], qb[D / 32 + ks][0], qb[D / 32 + ks][1]);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sc[e] = (float)acc[e];
+    } else {
+      uint32_t hk[D / 4];
+      kvq_frag_decode<D, KB>(kw, kpool, mul, hk);
+      sc[0] = sc[1] = sc[2] = sc[3] = 0.0f;
+#pragma unroll
+      for (int ks = 0; ks < KS; ++ks) kvq_mma(sc, hk[4 * ks], hk[4 * ks + 1], hk[4 * ks + 2], hk[4 * ks + 3], qb[ks][0], qb[ks][1]);
+    }
     const float kn0 = kvq_half_lo(nrm.x) * kscale, kn1 = kvq_half_hi(nrm.x) * kscale;
     vn[u] = nrm.y;
     dd[u][0] = sc[0] * kn0 - st.rf0;
@@ -420,16 +438,40 @@ __global__ void __launch_bounds__(KVQ_FRAG_THREADS, KVQ_FRAG_MIN_BLOCKS) kvq_fra
   if (lane == 0) s_qmax[warp] = mx;
   __syncthreads();
   mx = fmaxf(fmaxf(s_qmax[0], s_qmax[1]), fmaxf(s_qmax[2], s_qmax[3]));
-  int e = 0;
-  frexpf(mx, &e);                                      // mx < 2^e: scaled entries < 2^14
-  const float qs = mx > 0.0f ? ldexpf(1.0f, 14 - e) : 1.0f;
-  const float kscale = 1.0f / qs;                      // exact: a power of two
   uint32_t qb[KS][2];
+  float kscale;
+  if constexpr (KB == 2) {
+    // int8 keys: q' ~ Q / qs with Q = round(q' qs), |Q| <= 32639 = 127 * 256 + 127, split Q = 256 hi + lo
+    // (hi, lo int8): qb[s] = hi, qb[D / 32 + s] = lo, the B fragments of k-step s (k 4t..4t+3, +16)
+    const float qs = mx > 0.0f ? 32639.0f / mx : 1.0f;
+    kscale = 1.0f / (a.ksigma * qs);
 #pragma unroll
-  for (int ks = 0; ks < KS; ++ks) {
-    const float* row = s_w + g * D + 16 * ks + 2 * t;
-    qb[ks][0] = kvq_pack_half2(row[0] * qs, row[1] * qs);
-    qb[ks][1] = kvq_pack_half2(row[8] * qs, row[9] * qs);
+    for (int ks = 0; ks < D / 32; ++ks) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        uint32_t hi = 0, lo = 0;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int Q = __float2int_rn(s_w[g * D + 32 * ks + 16 * r + 4 * t + j] * qs);
+          const int H = (Q + 128) >> 8;  // floor((Q + 128) / 256): |H| <= 127, Q - 256 H in [-128, 127]
+          hi |= (uint32_t)(H & 0xFF) << (8 * j);
+          lo |= (uint32_t)((Q - 256 * H) & 0xFF) << (8 * j);
+        }
+        qb[ks][r] = hi;
+        qb[D / 32 + ks][r] = lo;
+      }
+    }
+  } else {
+    int e = 0;
+    frexpf(mx, &e);  // mx < 2^e: scaled entries < 2^14
+    const float qs = mx > 0.0f ? ldexpf(1.0f, 14 - e) : 1.0f;
+    kscale = 1.0f / qs;  // exact: a power of two
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+      const float* row = s_w + g * D + 16 * ks + 2 * t;
+      qb[ks][0] = kvq_pack_half2(row[0] * qs, row[1] * qs);
+      qb[ks][1] = kvq_pack_half2(row[8] * qs, row[9] * qs);
+    }
   }
 
   // ---- the encoded tokens of this split ----
@@ -649,8 +691,9 @@ __global__ void __launch_bounds__(KVQ_FRAG_THREADS) kvq_frag_merge_kernel(FragAr
   }
 }
 
-// Tests: the pairs every lane decodes from each tile (the kernel's loads and lookups, nothing else):
-// out_k, out_v (ntiles, 32, D / 4) uint32. Grid ntiles, one warp.
+// Tests: the registers every lane decodes from each tile (the kernel's loads and lookups, nothing else):
+// out_k, out_v (ntiles, 32, D / 4) uint32 (fp16 pairs; the 2-bit keys' int8 quads fill the first D / 8
+// entries of out_k, the rest 0). Grid ntiles, one warp.
 template <int D, int KB, int VB>
 __global__ void kvq_frag_decode_kernel(const uint8_t* tiles, FragArgs a, uint32_t* out_k, uint32_t* out_v) {
   using C = FragCfg<D, KB, VB>;
@@ -659,8 +702,12 @@ __global__ void kvq_frag_decode_kernel(const uint8_t* tiles, FragArgs a, uint32_
   uint32_t kw[C::NWK], vw[C::NWV];
   kvq_frag_load<C::NWK>(base, lane, kw);
   kvq_frag_load<C::NWV>(base + KvqSide<D, KB>::kBytes, lane, vw);
-  uint32_t hk[D / 4], hv[D / 4];
-  kvq_frag_decode<D, KB>(kw, a.kpool, a.mul, hk);
+  uint32_t hk[D / 4] = {}, hv[D / 4];
+  if constexpr (KB == 2) {  // int8 quads: the first D / 8 entries
+    kvq_frag_decode_i8<D>(kw, a.kpool, a.mul, *reinterpret_cast<uint32_t(*)[D / 8]>(hk));
+  } else {
+    kvq_frag_decode<D, KB>(kw, a.kpool, a.mul, hk);
+  }
   kvq_frag_decode<D, VB>(vw, a.vpool, a.mul, hv);
   for (int i = 0; i < D / 4; ++i) {
     out_k[((size_t)blockIdx.x * 32 + lane) * (D / 4) + i] = hk[i];
