@@ -20,8 +20,8 @@
 //        * O^T += V^T P^T: D / 16 MMAs on the decoded V pairs (value-rotation domain).
 //      The 4 warps' (m, l, O) merge in shared memory; the CTA writes its partial (log2 domain) to the
 //      workspace. The band CTA computes its partial in float32 (original domain).
-//   2. kvq_frag_merge_kernel, grid B H: log-sum-exp merge of the S partials, one inverse value
-//      rotation, the band partial, the division, the store in the query's dtype.
+//   2. kvq_frag_merge_kernel, grid B H R (a CTA per query row, 512 threads): log-sum-exp merge of the
+//      S partials, one inverse value rotation, the band partial, the division, the store in q's dtype.
 // Empty splits and masked tokens leave m = -inf, l = 0; every exponent is taken against a finite
 // reference, so they merge as nothing; a row that sees no token gets 0.
 //
@@ -623,71 +623,80 @@ __global__ void __launch_bounds__(KVQ_FRAG_THREADS, KVQ_FRAG_MIN_BLOCKS) kvq_fra
   }
 }
 
-// Grid B H: merge of the S partials, inverse value rotation, band partial, division, store.
+// Grid B H R, one CTA per query row: merge of the S partials, inverse value rotation, band partial,
+// division, store. The merge is on the critical path of a call (and the longest part of it at batch 1,
+// where S is 50), so it is spread wide: KVQ_MERGE_THREADS threads = SG groups of splits x D coordinates,
+// 8 splits' loads in flight per thread; the maxima are reduced first (all threads), the groups' sums in
+// shared memory after.
+#define KVQ_MERGE_THREADS 512
 template <int D>
-__global__ void __launch_bounds__(KVQ_FRAG_THREADS) kvq_frag_merge_kernel(FragArgs a) {
+__global__ void __launch_bounds__(KVQ_MERGE_THREADS) kvq_frag_merge_kernel(FragArgs a) {
+  constexpr int SG = KVQ_MERGE_THREADS / D;
+  __shared__ float s_red[KVQ_MERGE_THREADS / 32];
+  __shared__ float s_acc[SG][D];
+  __shared__ float s_l[SG];
   __shared__ float s_y[D];
-  constexpr int NC = (D + KVQ_FRAG_THREADS - 1) / KVQ_FRAG_THREADS;
-  const int tid = threadIdx.x;
-  const size_t bh = blockIdx.x;
+  const int tid = threadIdx.x, sg = tid / D, j = tid % D;
+  const size_t bh = blockIdx.x / (unsigned)a.R;
+  const int r = (int)(blockIdx.x % (unsigned)a.R);
   const int b = (int)(bh / (unsigned)a.H), h = (int)(bh % (unsigned)a.H);
-  const float hscale = 1.0f / sqrtf((float)a.vhblock);
-  for (int r = 0; r < a.R; ++r) {
-    float m = -INFINITY;
-    for (int s = 0; s < a.splits; ++s) m = fmaxf(m, kvq_frag_partial(a, bh, s, r, D)[0]);
-    const float ref = m == -INFINITY ? 0.0f : m;
-    float l = 0.0f, acc[NC];
+  float m = -INFINITY;
+  for (int s = tid; s < a.splits; s += KVQ_MERGE_THREADS) m = fmaxf(m, kvq_frag_partial(a, bh, s, r, D)[0]);
 #pragma unroll
-    for (int c = 0; c < NC; ++c) acc[c] = 0.0f;
-    for (int s = 0; s < a.splits; ++s) {
-      const float* p = kvq_frag_partial(a, bh, s, r, D);
-      const float w = kvq_ex2(p[0] - ref);
-      l += w * p[1];
+  for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
+  if (tid % 32 == 0) s_red[tid / 32] = m;
+  __syncthreads();
+  m = s_red[0];
 #pragma unroll
-      for (int c = 0; c < NC; ++c) {
-        const int j = tid + c * KVQ_FRAG_THREADS;
-        if (j < D) acc[c] += w * p[2 + j];
-      }
-    }
-    // R_V^T y = D1 P^T (H_b / sqrt(b)) D2 y
+  for (int w = 1; w < KVQ_MERGE_THREADS / 32; ++w) m = fmaxf(m, s_red[w]);
+  const float ref = m == -INFINITY ? 0.0f : m;
+  float acc = 0.0f, l = 0.0f;
+#pragma unroll 8
+  for (int s = sg; s < a.splits; s += SG) {
+    const float* p = kvq_frag_partial(a, bh, s, r, D);
+    const float w = kvq_ex2(p[0] - ref);
+    acc += w * p[2 + j];
+    if (j == 0) l += w * p[1];
+  }
+  s_acc[sg][j] = acc;
+  if (j == 0) s_l[sg] = l;
+  __syncthreads();
+  if (sg == 0) {  // R_V^T y = D1 P^T (H_b / sqrt(b)) D2 y
+    float y = 0.0f;
 #pragma unroll
-    for (int c = 0; c < NC; ++c) {
-      const int j = tid + c * KVQ_FRAG_THREADS;
-      if (j < D) s_y[j] = acc[c] * a.vsigns[D + j];
-    }
-    for (int hh = 1; hh < a.vhblock; hh <<= 1) {
-      __syncthreads();
-      for (int p = tid; p < D / 2; p += KVQ_FRAG_THREADS) {
-        const int i = (p / hh) * 2 * hh + (p % hh);
-        const float lo = s_y[i], hi = s_y[i + hh];
-        s_y[i] = lo + hi;
-        s_y[i + hh] = lo - hi;
-      }
-    }
+    for (int g = 0; g < SG; ++g) y += s_acc[g][j];
+    s_y[j] = y * a.vsigns[D + j];
+  }
+  l = 0.0f;
+#pragma unroll
+  for (int g = 0; g < SG; ++g) l += s_l[g];
+  for (int hh = 1; hh < a.vhblock; hh <<= 1) {
     __syncthreads();
-    const float* pb = kvq_frag_partial(a, bh, a.splits, r, D);
-    const float mt = fmaxf(m, pb[0]);
-    const float rt = mt == -INFINITY ? 0.0f : mt;
-    const float ce = kvq_ex2(m - rt), cb = kvq_ex2(pb[0] - rt);
-    const float den = l * ce + pb[1] * cb;
-    const float inv = den > 0.0f ? 1.0f / den : 0.0f;
-    const int t = r / a.G, g = r % a.G;
-    const size_t orow = ((((size_t)b * a.T + t) * a.H + h) * a.G + g) * D;
-#pragma unroll
-    for (int c = 0; c < NC; ++c) {
-      const int j = tid + c * KVQ_FRAG_THREADS;
-      if (j >= D) continue;
-      const float x = s_y[a.vinv_perm[j]] * hscale * a.vsigns[j];
-      const float o = (x * ce + pb[2 + j] * cb) * inv;
-      if (a.out_dtype == KVQ_DT_F32) {
-        ((float*)a.out)[orow + j] = o;
-      } else if (a.out_dtype == KVQ_DT_F16) {
-        ((unsigned short*)a.out)[orow + j] = __half_as_ushort(__float2half_rn(o));
-      } else {
-        ((unsigned short*)a.out)[orow + j] = kvq_to_bf16(o);
-      }
+    for (int p = tid; p < D / 2; p += KVQ_MERGE_THREADS) {
+      const int i = (p / hh) * 2 * hh + (p % hh);
+      const float lo = s_y[i], hi = s_y[i + hh];
+      s_y[i] = lo + hi;
+      s_y[i + hh] = lo - hi;
     }
-    __syncthreads();  // s_y is rewritten for the next row
+  }
+  __syncthreads();
+  if (sg != 0) return;
+  const float* pb = kvq_frag_partial(a, bh, a.splits, r, D);
+  const float mt = fmaxf(m, pb[0]);
+  const float rt = mt == -INFINITY ? 0.0f : mt;
+  const float ce = kvq_ex2(m - rt), cb = kvq_ex2(pb[0] - rt);
+  const float den = l * ce + pb[1] * cb;
+  const float inv = den > 0.0f ? 1.0f / den : 0.0f;  // a row that sees no token gets 0
+  const int t = r / a.G, g = r % a.G;
+  const size_t orow = ((((size_t)b * a.T + t) * a.H + h) * a.G + g) * D;
+  const float x = s_y[a.vinv_perm[j]] * (1.0f / sqrtf((float)a.vhblock)) * a.vsigns[j];
+  const float o = (x * ce + pb[2 + j] * cb) * inv;
+  if (a.out_dtype == KVQ_DT_F32) {
+    ((float*)a.out)[orow + j] = o;
+  } else if (a.out_dtype == KVQ_DT_F16) {
+    ((unsigned short*)a.out)[orow + j] = __half_as_ushort(__float2half_rn(o));
+  } else {
+    ((unsigned short*)a.out)[orow + j] = kvq_to_bf16(o);
   }
 }
 
@@ -736,7 +745,7 @@ extern "C" int kvq_frag_attention(const FragArgs* args, void* stream) {
   KVQ_LAUNCH(split, (unsigned)(a.B * a.H * (a.splits + 1)), KVQ_FRAG_THREADS, (cudaStream_t)stream)(a);
   int rc = (int)cudaGetLastError();
   if (rc) return rc;
-  KVQ_LAUNCH(merge, (unsigned)(a.B * a.H), KVQ_FRAG_THREADS, (cudaStream_t)stream)(a);
+  KVQ_LAUNCH(merge, (unsigned)(a.B * a.H * a.R), KVQ_MERGE_THREADS, (cudaStream_t)stream)(a);
   return (int)cudaGetLastError();
 }
 
