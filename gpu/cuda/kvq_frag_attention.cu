@@ -628,10 +628,16 @@ __global__ void __launch_bounds__(KVQ_FRAG_THREADS, KVQ_FRAG_MIN_BLOCKS) kvq_fra
 // where S is 50), so it is spread wide: KVQ_MERGE_THREADS threads = SG groups of splits x D coordinates,
 // 8 splits' loads in flight per thread; the maxima are reduced first (all threads), the groups' sums in
 // shared memory after.
+// (The host emulation runs 2 D threads, SG = 2: the same code, a quarter of the OS threads at d = 128.)
+#ifdef KVQ_HOST_EMULATION
+#define KVQ_MERGE_THREADS (2 * KVQ_FRAG_D)
+#else
 #define KVQ_MERGE_THREADS 512
+#endif
 template <int D>
 __global__ void __launch_bounds__(KVQ_MERGE_THREADS) kvq_frag_merge_kernel(FragArgs a) {
   constexpr int SG = KVQ_MERGE_THREADS / D;
+  static_assert(SG >= 1 && KVQ_MERGE_THREADS % 32 == 0, "the merge needs a thread per coordinate");
   __shared__ float s_red[KVQ_MERGE_THREADS / 32];
   __shared__ float s_acc[SG][D];
   __shared__ float s_l[SG];

@@ -2,8 +2,8 @@
 
 The timings of a dry run mean nothing; what is checked is that the script runs end to end as one
 command, that its correctness gate passes (quantize and append bit-exact, contiguous and paged
-attention within 2e-3 relative), and that it writes a JSON with every field the README and
-notebook 06 read.
+attention within 2e-3 relative, for the Triton kernels and, on the host emulation, the CUDA fragment
+kernel), and that it writes a JSON with every field the README and notebook 06 read.
 """
 
 import json
@@ -11,6 +11,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -23,12 +25,17 @@ def test_bench_dry_run_writes_complete_json(tmp_path):
     result = json.loads((tmp_path / "bench_dryrun.json").read_text())
     assert result["dry_run"] is True and result["met"] is None and result["complete"] is True
     assert not list(tmp_path.glob("*.tmp"))  # written through a temp file and a rename
-    assert [c["bits"] for c in result["checks"]] == [2, 4]
+    backends = result["backends"]
+    assert backends[0] == "triton" and set(backends) <= {"triton", "cuda"}
+    assert [c["bits"] for c in result["checks"]] == [2, 4] * len(backends)
     for c in result["checks"]:
-        assert c["codes_bit_exact"] and c["append_bit_exact"] and c["ok"]
-        assert c["attention_rel_err"] < 2e-3 and c["paged_attention_rel_err"] < 2e-3
-    assert {(r["batch"], r["context"], r["bits"]) for r in result["decode"]} == {
-        (b, n, bits) for b in (1, 2) for n in (64, 97) for bits in (2, 4)}
+        assert c["append_bit_exact"] and c["ok"] and c["paged_attention_rel_err"] < 2e-3
+        if c.get("backend") != "cuda":
+            assert c["codes_bit_exact"] and c["attention_rel_err"] < 2e-3
+    assert {(r["backend"], r["batch"], r["context"], r["bits"]) for r in result["decode"]} == {
+        (k, b, n, bits) for k in backends for b in (1, 2) for n in (64, 97) for bits in (2, 4)
+        if k == "triton" or b == 1}  # the dry run times the emulated CUDA kernel at batch 1 only
+    assert result["read_probe_gbs"] > 0 and result["spec_gbs"] is None  # no spec for a CPU
     for r in result["decode"]:
         # bytes read = K and V rows (d=128: 32 or 64 bytes, no padding) + two float16 norms,
         # batch x 2 KV heads x context; the fp16 baseline reads K and V at 2 bytes a value
@@ -36,6 +43,8 @@ def test_bench_dry_run_writes_complete_json(tmp_path):
         assert r["sdpa_bytes"] == r["batch"] * 2 * r["context"] * 2 * 128 * 2
         for key in ("seconds", "fraction_of_copy_bandwidth", "speedup_vs_sdpa", "sdpa_bandwidth_gbs"):
             assert key in r
+        assert r["fraction_of_read_probe"] == r["bandwidth_gbs"] / result["read_probe_gbs"]
+        assert r["fraction_of_spec"] is None and r["speedup_vs_ideal_fp16"] is None
     assert [a["bits"] for a in result["append"]] == [2, 4]
     assert all(a["tokens"] == 16 and a["fraction_of_copy_bandwidth"] > 0 for a in result["append"])
     assert result["copy_bandwidth_gbs"] > 0 and result["targets"]["speedup_vs_sdpa_2bit"] == 5.0
@@ -43,6 +52,15 @@ def test_bench_dry_run_writes_complete_json(tmp_path):
     assert result["reference_bandwidth_gbs"] == result["copy_bandwidth_gbs"]
     for r in result["decode"] + result["append"]:
         assert r["fraction_of_reference_bandwidth"] == r["bandwidth_gbs"] / result["reference_bandwidth_gbs"]
+
+
+def test_backends_dispatch_and_specs():
+    from gpu.bench import paged_decode_attention, spec_bandwidth
+
+    assert spec_bandwidth("NVIDIA H200") == 4.8e12 and spec_bandwidth("NVIDIA H100 80GB HBM3") == 3.35e12
+    assert spec_bandwidth("NVIDIA A100") is None
+    with pytest.raises(ValueError, match="backend"):
+        paged_decode_attention(None, None, None, None, backend="tpu")
 
 
 def test_reference_bandwidth_is_the_faster_of_copy_and_flashattention():
