@@ -105,3 +105,40 @@ def test_device_scripts_parse_and_select_tests():
                                    path, "-k", expr], cwd=ROOT, capture_output=True, text=True, timeout=300)
             assert re.search(r"\d+/\d+ tests collected|\d+ tests? collected", proc.stdout), (script, expr, proc.stdout)
             assert " 0 selected" not in proc.stdout and "no tests ran" not in proc.stdout, (script, expr)
+
+
+def test_ncu_comparison_reads_the_csv_and_flags_10_percent(tmp_path, monkeypatch):
+    """gpu.cuda.device_check's comparator on an ncu --csv report in ncu's format (no GPU): counts per
+    token-head against the static row, within 10 % or not."""
+    from gpu.cuda import device_check, static
+
+    th = 16 * 8 * 32768
+    head = '"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size",' \
+           '"Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"\n'
+
+    def line(kernel, name, unit, value):
+        return (f'"0","1","python","h","{kernel}","1","7","(128, 1, 1)","(512, 1, 1)","0","9.0",'
+                f'"Command line profiler metrics","{name}","{unit}","{value}"\n')
+    rows = {2: {"warp_instr_per_token_head": 12.0, "alu_per_token_head": 5.0},
+            3: {"warp_instr_per_token_head": 16.0, "alu_per_token_head": 10.0}}
+    monkeypatch.setattr(device_check, "_static_row", lambda _s, d, bits: {**rows[bits], "d": d})
+    paths = []
+    for bits, factor in ((2, 1.05), (3, 1.2)):
+        text = "==PROF== Connected to process\n" + head
+        text += line("void kvq_frag_split_kernel<128, 2, 2>(FragArgs)", "smsp__inst_executed.sum", "inst",
+                     f"{rows[bits]['warp_instr_per_token_head'] * th * factor:,.0f}")
+        text += line("void kvq_frag_split_kernel<128, 2, 2>(FragArgs)", "smsp__inst_executed_pipe_alu.sum", "inst",
+                     f"{rows[bits]['alu_per_token_head'] * th:.0f}")
+        text += line("void kvq_frag_merge_kernel<128>(FragArgs)", "smsp__inst_executed.sum", "inst", "1")
+        text += line("void kvq_frag_split_kernel<128, 2, 2>(FragArgs)", "gpu__time_duration.sum", "usecond", "70")
+        text += line("void kvq_frag_split_kernel<128, 2, 2>(FragArgs)", "dram__bytes_read.sum", "Mbyte", "285.2")
+        p = tmp_path / f"ncu_fragment_{bits}bit.csv"
+        p.write_text(text)
+        paths.append(p)
+    out = device_check.compare(paths, tmp_path / "out.json")
+    r2, r3 = out["rows"]
+    assert r2["measured_warp_instr_per_token_head"] == pytest.approx(12.0 * 1.05, rel=1e-6)
+    assert r2["within_10_percent"] == {"warp_instr_per_token_head": True, "alu_per_token_head": True}
+    assert r3["within_10_percent"]["warp_instr_per_token_head"] is False
+    assert r2["dram_read_gbs"] == pytest.approx(285.2e6 / 70e-6 / 1e9)
+    assert static.GATE[2] == (15.0, 9.0)
