@@ -41,7 +41,10 @@
 #define KVQ_FRAG_ROWS 8      // query rows per KV head: the MMA's N
 #define KVQ_BAND_TILE 64     // band tokens per step of the float32 band path
 #define KVQ_LOG2E 1.4426950408889634f
-#define KVQ_FRAG_MIN_BLOCKS 4  // CTAs per SM the register budget must allow: <= 128 registers
+// CTAs per SM the register budget must allow: 4 (<= 128 registers); at head_dim 256 the accumulators
+// and query fragments alone take 96 registers, so 3 (<= 168) rather than spilling, and 2 with the
+// int8 keys' 32 more registers of quads
+#define KVQ_FRAG_MIN_BLOCKS(D, KB) ((D) >= 256 ? ((KB) == 2 ? 2 : 3) : 4)
 
 #ifndef KVQ_FRAG_D
 #define KVQ_FRAG_D 128
@@ -385,7 +388,7 @@ __device__ void kvq_frag_band(const FragArgs& a, int b, int h, float* s_buf) {
 }
 
 template <int D, int KB, int VB>
-__global__ void __launch_bounds__(KVQ_FRAG_THREADS, KVQ_FRAG_MIN_BLOCKS) kvq_frag_split_kernel(FragArgs a) {
+__global__ void __launch_bounds__(KVQ_FRAG_THREADS, KVQ_FRAG_MIN_BLOCKS(D, KB)) kvq_frag_split_kernel(FragArgs a) {
   using C = FragCfg<D, KB, VB>;
   constexpr int U = C::U, KS = C::KS, NS = C::STAGES;
   constexpr int QBYTES = KVQ_FRAG_WARPS * KVQ_FRAG_ROWS * D * 4;
