@@ -106,14 +106,20 @@ def fragment_library(backend: str, d: int, kb: int, vb: int) -> ctypes.CDLL:
         return _libs[key]
 
 
+_current: dict = {}  # library -> the device its runtime was last pointed at
+
+
 def _call(lib, backend, device, name, *args):
     import torch
 
     stream = None
     if backend == "cuda":
-        rc = lib.kvq_frag_set_device(device.index if device.index is not None else torch.cuda.current_device())
-        if rc:
-            raise CudaUnavailableError(f"cudaSetDevice failed: {lib.kvq_frag_error_string(rc).decode()}")
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if _current.get(id(lib)) != index:  # once per device change: not inside every captured call
+            rc = lib.kvq_frag_set_device(index)
+            if rc:
+                raise CudaUnavailableError(f"cudaSetDevice failed: {lib.kvq_frag_error_string(rc).decode()}")
+            _current[id(lib)] = index
         stream = torch.cuda.current_stream(device).cuda_stream
     rc = getattr(lib, name)(*args, stream)
     if rc:
