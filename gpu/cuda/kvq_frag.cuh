@@ -1,12 +1,16 @@
-// The fragment layout and its byte-permute lookups (gpu/cuda/fragment.py is the specification: this
-// header mirrors its instruction lists operation for operation, and its tests check both).
+// The fragment layout and its byte-permute lookups (gpu/cuda/fragment.py and gpu/cuda/lookup.py are
+// the specification: this header mirrors their instruction lists operation for operation, and the tests
+// check both), the MMA / movmatrix / cp.async / shared-load wrappers (inline PTX, or host_emu.h's
+// emulation).
 //
 // A tile is 16 tokens of one (page, KV head): [K codes][V codes][norms], 2 d (kb + vb) + 64 bytes.
 // Lane L = 4 g + t of a warp loads d b / 64 words of each side, in planes of 16, 8 and 4 bytes
-// (kvq_frag_load), and decodes them into the fp16 pairs of its mma.m16n8k16 A fragments
-// (kvq_frag_decode). Half-register i = 4 s + r: K: r = 0 (token g, coords 16s + 2t, +1), r = 1
-// (token g + 8), r = 2 (token g, coords + 8), r = 3 (token g + 8, coords + 8); V: r = 0 (coord
+// (kvq_frag_load_l), and decodes them into its A fragments (kvq_frag_decode, kvq_frag_decode_i8).
+// fp16 pairs, half-register i = 4 s + r of mma.m16n8k16: K: r = 0 (token g, coords 16s + 2t, +1),
+// r = 1 (token g + 8), r = 2 (token g, coords + 8), r = 3 (token g + 8, coords + 8); V: r = 0 (coord
 // 16s + g, tokens 2t, 2t + 1), r = 1 (coord + 8), r = 2 (tokens + 8), r = 3 (coord + 8, tokens + 8).
+// The 2-bit keys' int8 quads of mma.m16n8k32: register i = 4 s + r holds token g + 8 (r & 1),
+// coordinates 32 s + 16 (r >> 1) + 4 t + [0, 4).
 #ifndef KVQ_FRAG_CUH
 #define KVQ_FRAG_CUH
 

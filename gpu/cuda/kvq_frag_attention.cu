@@ -1,93 +1,42 @@
 // Split-K decode attention over a paged TurboQuantMSE cache in the fragment layout (kvq_frag.cuh),
-// on tensor cores: mma.sync.m16n8k16 with the GQA group as N = 8, levels looked up by byte permutes
-// straight into the A fragments.
+// on tensor cores: mma.sync with the GQA group as N = 8, levels looked up by byte permutes straight
+// into the A fragments (gpu/cuda/fragment.py and gpu/cuda/lookup.py are the specification).
 //
 // What it computes: gpu.triton.paged's split-and-merge (kvq_ref.attention.attention_decode per
 // sequence and KV head), the same plan (gpu.schedule.plan_splits), block tables, per-sequence
 // lengths and 16-bit band:
 //   1. kvq_frag_split_kernel<D, KB, VB>, grid B H (S + 1), 4 warps: CTA (b, h, s < S) attends the
 //      R = T G <= 8 query rows of KV head h to the encoded tokens [s C, (s + 1) C) of sequence b; the
-//      CTA (b, h, S) to the band. The query rows are rotated once (R_K q, in shared memory), scaled by
-//      sm_scale log2(e) and a power of two that keeps them well inside float16, and held as the B
-//      fragments of S^T = K Q^T (16 tokens x 8 rows). Each warp owns tiles of 16 tokens (U = 2 at
-//      once below 4 bits), loads a tile's K and V words with 16-byte loads one group ahead, and per tile:
-//        * scores: D / 16 MMAs on the decoded K pairs; times the key norm (one multiply per score);
-//        * lazy softmax: scores are compared with the running max first; only when one exceeds it
-//          (or the tile is the sequence's last, partial one) does the warp reduce the tile max across
-//          its lanes and rescale its accumulators, so p = 2^(z - m) <= 1 always;
-//        * P^T: p times the value norm (the norm folded into P), rounded to fp16 pairs, transposed to
-//          the B fragments of O^T = V^T P^T by two movmatrix;
+//      CTA (b, h, S) to the band (kvq_frag_parts.cuh). The query rows are rotated once (R_K q, in shared
+//      memory), scaled by sm_scale log2(e), and held as the B fragments of S^T = K Q^T (16 tokens x 8
+//      rows): float16 scaled by a power of two that keeps them inside its normal range, or at 2 bits,
+//      where the keys go through int8 mma.m16n8k32, 16-bit integers split into two int8 bytes. Each
+//      warp takes groups of U tiles of 16 tokens (FragCfg), copied by cp.async into its ring of
+//      shared-memory slots STAGES - 1 groups ahead (16-byte copies, no registers in flight), and per
+//      tile:
+//        * scores: D / 16 fp16 MMAs on the decoded K pairs (or 2 x D / 32 int8 MMAs, query high then
+//          low byte, exact int32 sums); times the key norm (one multiply-add per score);
+//        * lazy softmax: scores are compared with the running max first (one vote per group); only
+//          when one reaches it (or on the split's last, partial group) does the warp reduce the group's
+//          max across its lanes and rescale its accumulators, so p = 2^(z - m) <= 1 always;
+//        * P^T: p rounded to fp16 pairs, times the value norm (HMUL2: the norm folded into P),
+//          transposed to the B fragments of O^T = V^T P^T by two movmatrix;
 //        * O^T += V^T P^T: D / 16 MMAs on the decoded V pairs (value-rotation domain).
 //      The 4 warps' (m, l, O) merge in shared memory; the CTA writes its partial (log2 domain) to the
-//      workspace. The band CTA computes its partial in float32 (original domain).
-//   2. kvq_frag_merge_kernel, grid B H R (a CTA per query row, 512 threads): log-sum-exp merge of the
-//      S partials, one inverse value rotation, the band partial, the division, the store in q's dtype.
+//      workspace.
+//   2. kvq_frag_merge_kernel (kvq_frag_parts.cuh), grid B H R: log-sum-exp merge of the S partials,
+//      one inverse value rotation, the band partial, the division, the store in q's dtype.
 // Empty splits and masked tokens leave m = -inf, l = 0; every exponent is taken against a finite
 // reference, so they merge as nothing; a row that sees no token gets 0.
 //
-// Precision (tests/gpu/test_cuda_fragment_attention.py derives the tier): levels, rotated queries and
-// p * v_norm are rounded to float16 (products exact, float32 accumulation in the tensor cores), key
-// norms, softmax and sums are float32, 2^x is MUFU.EX2 (relative error < 2^-22).
+// Precision (tests/gpu/test_cuda_fragment_attention.py derives the tier): key levels and rotated
+// queries in float16 (or int8 levels within 3.7e-4 of the table and 16-bit queries), p and p v_norm in
+// float16, value levels in float16; products exact, float32 accumulation in the tensor cores; norms,
+// softmax and sums float32; 2^x is MUFU.EX2 (relative error < 2^-22).
 //
-// One instantiation per library (KVQ_FRAG_D, KVQ_FRAG_KB, KVQ_FRAG_VB; gpu/cuda/frag_binding.py).
+// One instantiation per library (KVQ_FRAG_D, KVQ_FRAG_KB, KVQ_FRAG_VB; gpu/cuda/fragment_cache.py).
 
-#include <math.h>
-
-#include "kvq_common.cuh"
-#include "kvq_frag.cuh"
-
-#define KVQ_FRAG_WARPS 4
-#define KVQ_FRAG_THREADS (32 * KVQ_FRAG_WARPS)
-#define KVQ_FRAG_ROWS 8      // query rows per KV head: the MMA's N
-#define KVQ_BAND_TILE 64     // band tokens per step of the float32 band path
-#define KVQ_LOG2E 1.4426950408889634f
-// CTAs per SM the register budget must allow: 4 (<= 128 registers); at head_dim 256 the accumulators
-// and query fragments alone take 96 registers, so 3 (<= 168) rather than spilling, and 2 with the
-// int8 keys' 32 more registers of quads
-#define KVQ_FRAG_MIN_BLOCKS(D, KB) ((D) >= 256 ? ((KB) == 2 ? 2 : 3) : 4)
-
-#ifndef KVQ_FRAG_D
-#define KVQ_FRAG_D 128
-#endif
-#ifndef KVQ_FRAG_KB
-#define KVQ_FRAG_KB 4
-#endif
-#ifndef KVQ_FRAG_VB
-#define KVQ_FRAG_VB 4
-#endif
-
-// dtype codes of q, out and the band
-#define KVQ_DT_F32 0
-#define KVQ_DT_F16 1
-#define KVQ_DT_BF16 2
-
-struct FragArgs {
-  int B, T, H, G, R, d;
-  const void* q;         // (B, T, H, G, d), q_dtype
-  int q_dtype, out_dtype;
-  void* out;             // (B, T, H, G, d), out_dtype
-  const uint8_t* kv;     // (pages, H, page_size / 16, tile_bytes)
-  const int* block_table;
-  const int* seq_lens;
-  int page_size, log_page, bt_stride;  // page_size = 2^log_page >= 32
-  unsigned page_bytes;   // H * page_size / 16 * tile_bytes: bytes from one page to the next
-  unsigned log_tpp, tpp_mask;  // log2(page_size / 16), page_size / 16 - 1
-  const void* band_k;    // (B, H, band_cap, d), band_dtype
-  const void* band_v;
-  const int* band_lens;  // (B,)
-  int band_dtype, band_cap;
-  uint32_t kpool[4], vpool[4];
-  KvqMul mul;            // from the host (a kernel argument, so ptxas cannot fold it)
-  float ksigma;          // 2-bit keys: the int8 levels are ksigma * level (gpu.cuda.lookup.int8_levels)
-  const int* kperm;      // key rotation: perm (d), signs (2, d) = (signs1, signs2), Hadamard block
-  const float* ksigns;
-  const int* vinv_perm;  // value rotation: inverse perm, signs (2, d), block
-  const float* vsigns;
-  int khblock, vhblock;
-  float sm_scale;
-  int splits, chunk;
-  float* ws;             // (B, H, S + 1, 8, d + 2): m (log2 units), l, acc[d]
-};
+#include "kvq_frag_parts.cuh"
 
 // Per configuration: U tiles a warp takes per step (2 below 4 bits: one lazy-softmax check for two
 // tiles), and STAGES shared-memory slots per warp for cp.async (STAGES - 1 groups in flight); the
@@ -106,31 +55,6 @@ struct FragCfg {
   static constexpr int RING = KVQ_FRAG_WARPS * STAGES * U * SLOT;
   static_assert(fits(U, STAGES), "the cp.async ring does not fit");
 };
-
-__device__ __forceinline__ float kvq_load_as_float(const void* p, int dtype, size_t i) {
-  if (dtype == KVQ_DT_F32) return ((const float*)p)[i];
-  const unsigned short u = ((const unsigned short*)p)[i];
-  return dtype == KVQ_DT_F16 ? __half2float(__ushort_as_half(u)) : kvq_bf16(u);
-}
-
-__device__ __forceinline__ float* kvq_frag_partial(const FragArgs& a, size_t bh, int s, int r, int d) {
-  return a.ws + ((bh * (size_t)(a.splits + 1) + (size_t)s) * KVQ_FRAG_ROWS + (size_t)r) * (size_t)(d + 2);
-}
-
-// Rows r < R of the query of (b, h), times `scale`, into s_q[8][D] (rows >= R zero).
-template <int D>
-__device__ void kvq_frag_load_q(const FragArgs& a, int b, int h, float scale, float* s_q) {
-  for (int i = threadIdx.x; i < KVQ_FRAG_ROWS * D; i += blockDim.x) {
-    const int r = i / D, j = i % D;
-    float v = 0.0f;
-    if (r < a.R) {
-      const int t = r / a.G, g = r % a.G;
-      const size_t row = (((size_t)b * a.T + t) * a.H + h) * a.G + g;
-      v = kvq_load_as_float(a.q, a.q_dtype, row * D + j) * scale;
-    }
-    s_q[i] = v;
-  }
-}
 
 // Where sequence b's tiles of KV head h live, and this lane's offsets into them: tile i is at
 // kv + page_bytes * table[i >> log_tpp] + (i & (tpp - 1)) * tile_bytes (page_size a power of two: no
@@ -294,96 +218,6 @@ __device__ __forceinline__ void kvq_frag_values(FragState<D / 16>& st, const Fra
     kvq_frag_decode<D, VB>(vw, vpool, mul, hv);
 #pragma unroll
     for (int ms = 0; ms < KS; ++ms) kvq_mma(st.acc[ms], hv[4 * ms], hv[4 * ms + 1], hv[4 * ms + 2], hv[4 * ms + 3], b01, b23);
-  }
-}
-
-// The float32 band partial (original domain) of CTA (b, h, S).
-template <int D>
-__device__ void kvq_frag_band(const FragArgs& a, int b, int h, float* s_buf) {
-  __shared__ float s_part[2][KVQ_FRAG_ROWS][KVQ_BAND_TILE];
-  __shared__ float s_p[KVQ_FRAG_ROWS][KVQ_BAND_TILE];
-  __shared__ float s_m[KVQ_FRAG_ROWS], s_l[KVQ_FRAG_ROWS], s_alpha[KVQ_FRAG_ROWS];
-  constexpr int NC = (D + KVQ_FRAG_THREADS - 1) / KVQ_FRAG_THREADS;  // output coordinates per thread
-  const int tid = threadIdx.x;
-  float* s_q = s_buf;
-  kvq_frag_load_q<D>(a, b, h, a.sm_scale * KVQ_LOG2E, s_q);
-  if (tid < KVQ_FRAG_ROWS) {
-    s_m[tid] = -INFINITY;
-    s_l[tid] = 0.0f;
-  }
-  float acc[KVQ_FRAG_ROWS][NC];
-#pragma unroll
-  for (int r = 0; r < KVQ_FRAG_ROWS; ++r)
-#pragma unroll
-    for (int c = 0; c < NC; ++c) acc[r][c] = 0.0f;
-  __syncthreads();
-  const int nb = a.band_lens[b];
-  const size_t rows0 = ((size_t)b * a.H + h) * (size_t)a.band_cap;
-  const int u = tid % KVQ_BAND_TILE, half = tid / KVQ_BAND_TILE;  // 128 threads = 2 halves of d
-  for (int t0 = 0; t0 < nb; t0 += KVQ_BAND_TILE) {
-    const int tile = min(KVQ_BAND_TILE, nb - t0);
-    float dot[KVQ_FRAG_ROWS];
-#pragma unroll
-    for (int r = 0; r < KVQ_FRAG_ROWS; ++r) dot[r] = 0.0f;
-    if (u < tile) {
-      const size_t krow = (rows0 + t0 + u) * D;
-      for (int j = half * (D / 2); j < (half + 1) * (D / 2); ++j) {
-        const float kj = kvq_load_as_float(a.band_k, a.band_dtype, krow + j);
-#pragma unroll
-        for (int r = 0; r < KVQ_FRAG_ROWS; ++r) dot[r] += s_q[r * D + j] * kj;
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < KVQ_FRAG_ROWS; ++r) s_part[half][r][u] = dot[r];
-    __syncthreads();
-    if (tid < a.R) {
-      const int r = tid;
-      float tmax = -INFINITY;
-      for (int v = 0; v < tile; ++v) tmax = fmaxf(tmax, s_part[0][r][v] + s_part[1][r][v]);
-      const float m_new = fmaxf(s_m[r], tmax);
-      const float ref = m_new == -INFINITY ? 0.0f : m_new;
-      const float alpha = kvq_ex2(s_m[r] - ref);
-      float sum = 0.0f;
-      for (int v = 0; v < tile; ++v) {
-        const float p = kvq_ex2(s_part[0][r][v] + s_part[1][r][v] - ref);
-        s_p[r][v] = p;
-        sum += p;
-      }
-      s_l[r] = s_l[r] * alpha + sum;
-      s_m[r] = m_new;
-      s_alpha[r] = alpha;
-    }
-    __syncthreads();
-#pragma unroll
-    for (int c = 0; c < NC; ++c) {
-      const int j = tid + c * KVQ_FRAG_THREADS;
-#pragma unroll
-      for (int r = 0; r < KVQ_FRAG_ROWS; ++r)
-        if (r < a.R) acc[r][c] *= s_alpha[r];
-      if (j >= D) continue;
-      for (int v = 0; v < tile; ++v) {
-        const float val = kvq_load_as_float(a.band_v, a.band_dtype, (rows0 + t0 + v) * D + j);
-#pragma unroll
-        for (int r = 0; r < KVQ_FRAG_ROWS; ++r)
-          if (r < a.R) acc[r][c] += s_p[r][v] * val;
-      }
-    }
-    __syncthreads();
-  }
-  const size_t bh = (size_t)b * a.H + h;
-#pragma unroll
-  for (int r = 0; r < KVQ_FRAG_ROWS; ++r) {
-    if (r >= a.R) break;
-    float* p = kvq_frag_partial(a, bh, a.splits, r, D);
-    if (tid == 0) {
-      p[0] = s_m[r];
-      p[1] = s_l[r];
-    }
-#pragma unroll
-    for (int c = 0; c < NC; ++c) {
-      const int j = tid + c * KVQ_FRAG_THREADS;
-      if (j < D) p[2 + j] = acc[r][c];
-    }
   }
 }
 
@@ -623,89 +457,6 @@ __global__ void __launch_bounds__(KVQ_FRAG_THREADS, KVQ_FRAG_MIN_BLOCKS(D, KB)) 
       }
     }
     kvq_frag_partial(a, bh, s, r, D)[j] = v;
-  }
-}
-
-// Grid B H R, one CTA per query row: merge of the S partials, inverse value rotation, band partial,
-// division, store. The merge is on the critical path of a call (and the longest part of it at batch 1,
-// where S is 50), so it is spread wide: KVQ_MERGE_THREADS threads = SG groups of splits x D coordinates,
-// 8 splits' loads in flight per thread; the maxima are reduced first (all threads), the groups' sums in
-// shared memory after.
-// (The host emulation runs 2 D threads, SG = 2: the same code, a quarter of the OS threads at d = 128.)
-#ifdef KVQ_HOST_EMULATION
-#define KVQ_MERGE_THREADS (2 * KVQ_FRAG_D)
-#else
-#define KVQ_MERGE_THREADS 512
-#endif
-template <int D>
-__global__ void __launch_bounds__(KVQ_MERGE_THREADS) kvq_frag_merge_kernel(FragArgs a) {
-  constexpr int SG = KVQ_MERGE_THREADS / D;
-  static_assert(SG >= 1 && KVQ_MERGE_THREADS % 32 == 0, "the merge needs a thread per coordinate");
-  __shared__ float s_red[KVQ_MERGE_THREADS / 32];
-  __shared__ float s_acc[SG][D];
-  __shared__ float s_l[SG];
-  __shared__ float s_y[D];
-  const int tid = threadIdx.x, sg = tid / D, j = tid % D;
-  const size_t bh = blockIdx.x / (unsigned)a.R;
-  const int r = (int)(blockIdx.x % (unsigned)a.R);
-  const int b = (int)(bh / (unsigned)a.H), h = (int)(bh % (unsigned)a.H);
-  float m = -INFINITY;
-  for (int s = tid; s < a.splits; s += KVQ_MERGE_THREADS) m = fmaxf(m, kvq_frag_partial(a, bh, s, r, D)[0]);
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
-  if (tid % 32 == 0) s_red[tid / 32] = m;
-  __syncthreads();
-  m = s_red[0];
-#pragma unroll
-  for (int w = 1; w < KVQ_MERGE_THREADS / 32; ++w) m = fmaxf(m, s_red[w]);
-  const float ref = m == -INFINITY ? 0.0f : m;
-  float acc = 0.0f, l = 0.0f;
-#pragma unroll 8
-  for (int s = sg; s < a.splits; s += SG) {
-    const float* p = kvq_frag_partial(a, bh, s, r, D);
-    const float w = kvq_ex2(p[0] - ref);
-    acc += w * p[2 + j];
-    if (j == 0) l += w * p[1];
-  }
-  s_acc[sg][j] = acc;
-  if (j == 0) s_l[sg] = l;
-  __syncthreads();
-  if (sg == 0) {  // R_V^T y = D1 P^T (H_b / sqrt(b)) D2 y
-    float y = 0.0f;
-#pragma unroll
-    for (int g = 0; g < SG; ++g) y += s_acc[g][j];
-    s_y[j] = y * a.vsigns[D + j];
-  }
-  l = 0.0f;
-#pragma unroll
-  for (int g = 0; g < SG; ++g) l += s_l[g];
-  for (int hh = 1; hh < a.vhblock; hh <<= 1) {
-    __syncthreads();
-    for (int p = tid; p < D / 2; p += KVQ_MERGE_THREADS) {
-      const int i = (p / hh) * 2 * hh + (p % hh);
-      const float lo = s_y[i], hi = s_y[i + hh];
-      s_y[i] = lo + hi;
-      s_y[i + hh] = lo - hi;
-    }
-  }
-  __syncthreads();
-  if (sg != 0) return;
-  const float* pb = kvq_frag_partial(a, bh, a.splits, r, D);
-  const float mt = fmaxf(m, pb[0]);
-  const float rt = mt == -INFINITY ? 0.0f : mt;
-  const float ce = kvq_ex2(m - rt), cb = kvq_ex2(pb[0] - rt);
-  const float den = l * ce + pb[1] * cb;
-  const float inv = den > 0.0f ? 1.0f / den : 0.0f;  // a row that sees no token gets 0
-  const int t = r / a.G, g = r % a.G;
-  const size_t orow = ((((size_t)b * a.T + t) * a.H + h) * a.G + g) * D;
-  const float x = s_y[a.vinv_perm[j]] * (1.0f / sqrtf((float)a.vhblock)) * a.vsigns[j];
-  const float o = (x * ce + pb[2 + j] * cb) * inv;
-  if (a.out_dtype == KVQ_DT_F32) {
-    ((float*)a.out)[orow + j] = o;
-  } else if (a.out_dtype == KVQ_DT_F16) {
-    ((unsigned short*)a.out)[orow + j] = __half_as_ushort(__float2half_rn(o));
-  } else {
-    ((unsigned short*)a.out)[orow + j] = kvq_to_bf16(o);
   }
 }
 
