@@ -43,6 +43,19 @@ def test_fragment_kernel_fits_the_budget(rows, bits, capsys):
 
 
 @needs_tools
+def test_committed_report_is_this_source(rows):
+    """results/gpu/static_report_sm90.json's CUDA rows at d = 128 are what the current source compiles to."""
+    import json
+    from pathlib import Path
+
+    report = json.loads((Path(__file__).resolve().parents[2] / "results/gpu/static_report_sm90.json").read_text())
+    committed = {r["kbits"]: r for r in report["cuda"] if r["d"] == 128}
+    for bits, r in rows.items():
+        for key in ("warp_instr_per_token_head", "alu_per_token_head", "registers", "loop_path_sass"):
+            assert committed[bits][key] == r[key], (bits, key)
+
+
+@needs_tools
 def test_roofline_loop_is_memory_or_alu_bound_above_70_percent(rows):
     """With the fixed costs left out, every width's loop reaches >= 70 % of 4.8 TB/s on the model's H200
     (the instruction budget's claim); whole calls: >= 70 % at batch 16 (32K, 128K), launches and merge
