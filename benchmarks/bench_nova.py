@@ -69,7 +69,7 @@ Measurements
    max ``|q . k|`` (the scores hook against the decoder; float32 decode rounding is ~1e-7).
 3. Band accounting at ``BAND_TOKENS`` (128K = 131072) tokens, d = 128: bytes per token of NOVA-KV
    and OSCAR keys and values from encoding ``BAND_PROBE_TOKENS`` held-out tokens, then
-   ``(8 * bytes_per_token * (N - 320) + 16 * d * 320) / (N * d)`` (REFERENCE.md section 9: 2.22 for
+   ``(8 * bytes_per_token * (N - 320) + 16 * d * 320) / (N * d)`` (docs/references/calibrated.md: 2.22 for
    NOVA-KV, 2.28 for OSCAR).
 
 Nothing asserts on wall time or on which method wins; the JSON records the machine.
@@ -137,7 +137,7 @@ HOOK_CHECK_QUERIES = 16
 BAND_TOKENS = 131072
 BAND_PROBE_TOKENS = 64
 BAND_D = 128
-REFERENCE_BAND = {"nova_kv": {"key_bits_per_token": 2 + 16 / 128, "value_bits_per_token": 2 + 32 / 128,
+PUBLISHED_BAND = {"nova_kv": {"key_bits_per_token": 2 + 16 / 128, "value_bits_per_token": 2 + 32 / 128,
                               "published_total": 2.22},
                   "oscar": {"key_bits_per_token": 2 + 32 / 128, "value_bits_per_token": 2 + 32 / 128,
                             "published_total": 2.28}}
@@ -457,7 +457,7 @@ def band_accounting(model, heldout: list[dict], d: int) -> dict:
         Per method (``nova_kv``, ``oscar``): bytes per token of keys and values (from encoding
         ``BAND_PROBE_TOKENS`` held-out tokens of KV head 0), the per-token rates, the rates at
         ``BAND_TOKENS`` tokens with ``SINK + WINDOW`` float16 tokens, their mean, and the
-        REFERENCE.md values.
+        published values (docs/references/calibrated.md).
     """
     _, k, v = heldout[0][0]
     K, V = k[0, :BAND_PROBE_TOKENS], v[0, :BAND_PROBE_TOKENS]
@@ -474,7 +474,7 @@ def band_accounting(model, heldout: list[dict], d: int) -> dict:
             rec[f"{role}_bits_per_token_element"] = 8 * per_tok / d
             rec[f"{role}_bits_with_band"] = sig((8 * per_tok * (n - band) + 16 * d * band) / (n * d), 6)
         rec["total_bits_with_band"] = sig((rec["key_bits_with_band"] + rec["value_bits_with_band"]) / 2, 6)
-        rec["reference"] = REFERENCE_BAND[name]
+        rec["reference"] = PUBLISHED_BAND[name]
         out[name] = rec
     return out
 
@@ -500,7 +500,7 @@ def summary_lines(result: dict) -> list[str]:
     for name in ("nova_kv", "oscar"):
         rec = ba[name]
         lines.append(f"  {name:<8} keys {rec['key_bits_with_band']:.4f}  values {rec['value_bits_with_band']:.4f}"
-                     f"  mean {rec['total_bits_with_band']:.4f}  (REFERENCE {rec['reference']['published_total']})")
+                     f"  mean {rec['total_bits_with_band']:.4f}  (published {rec['reference']['published_total']})")
     lines.append(f"total runtime {result['runtime_seconds']:.1f} s")
     return lines
 

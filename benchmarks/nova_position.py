@@ -8,18 +8,18 @@ the calibration cached)::
 Why
 ---
 Calibrated on 2 sequences of 1024 tokens, NOVA-KV's needle accuracy on SmolLM2 falls from 0.70 at
-1K to 0 at 4K, while TurboQuantMSE-3 holds (``results/eval_calib1024/``; README, evaluation
-section; ``make eval`` now calibrates on 4096 tokens). Post-RoPE keys at positions the calibration
-never saw are rotated further in the slow RoPE channels, so their distribution shifts away from the
-one the transform and the VQ codebooks were fitted to. This script measures that: it captures one
-``tokens``-long window of the haystack text (disjoint from the calibration text), encodes every key
-of layers ``LAYERS`` with each method (no 16-bit band), and reports, per 1024-token bin of key
-positions, the mean squared key-logit error ``(q.k - q.k_hat)^2`` of the last 64 queries, divided
-by the variance of the exact logits in that bin. TurboQuantMSE-2 and -3 are the same-run baselines
-(data-oblivious, so flat in position); the ratio NOVA-KV / TurboQuantMSE-2 per bin is in the JSON,
-and so is every layer's row (with the layer's type, sliding or full attention, for Gemma-3) and how
-strong its key outlier channels are (largest channel RMS over the median one). Nothing asserts on
-the outcome.
+1K to 0 at 4K, while TurboQuantMSE-3 holds (the v1 evaluation's ``results/eval_calib1024/``, last
+held by commit e57fc0a, docs/regenerating.md; ``make eval`` now calibrates on the context it
+measures). Post-RoPE keys at positions the calibration never saw are rotated further in the slow
+RoPE channels, so their distribution shifts away from the one the transform and the VQ codebooks
+were fitted to. This script measures that: it captures one ``tokens``-long window of the haystack
+text (disjoint from the calibration text), encodes every key of layers ``LAYERS`` with each method
+(no 16-bit band), and reports, per 1024-token bin of key positions, the mean squared key-logit
+error ``(q.k - q.k_hat)^2`` of the last 64 queries, divided by the variance of the exact logits in
+that bin. TurboQuantMSE-2 and -3 are the same-run baselines (data-oblivious, so flat in position);
+the ratio NOVA-KV / TurboQuantMSE-2 per bin is in the JSON, and so is every layer's row (with the
+layer's type, sliding or full attention, for Gemma-3) and how strong its key outlier channels are
+(largest channel RMS over the median one). Nothing asserts on the outcome.
 
 ``--model gemma3`` runs the same measurement on Gemma-3-270M over all of its 18 layers (its
 ``LAYERS`` entry), at ``--tokens 2048`` (its needle contexts are 1-2K).

@@ -80,17 +80,35 @@ def _write_synced(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
+def _is_tmp_of(name: str, folder: Path) -> bool:
+    """``name`` is exactly one of this folder's temporary names ``.F.tmp-<pid>-<8 hex>`` (compared as
+    text: a folder named ``t[1]`` must never match ``t1``'s, as a glob pattern would)."""
+    prefix = _paths(folder)[2].name
+    if not name.startswith(prefix):
+        return False
+    pid, _, token = name[len(prefix):].partition("-")
+    return pid.isdigit() and len(token) == 8 and all(c in "0123456789abcdef" for c in token)
+
+
 def _recover(folder: Path) -> None:
     """Undo or finish what a killed writer left (caller holds the lock)."""
-    _, aside, tmp_prefix = _paths(folder)
-    if aside.exists():
+    _, aside, _ = _paths(folder)
+    if os.path.islink(aside) or (os.path.lexists(aside) and not aside.is_dir()):
+        os.unlink(aside)  # never written by the protocol (a planted symlink or file): remove the name only
+        _fsync_dir(folder.parent)
+    elif aside.exists():
         if folder.exists():
             shutil.rmtree(aside)  # the new set is in place: finish the swap
         else:
             os.rename(aside, folder)  # killed between the two renames: roll back
         _fsync_dir(folder.parent)
-    for stale in folder.parent.glob(tmp_prefix.name + "*"):
-        shutil.rmtree(stale, ignore_errors=True)
+    with os.scandir(folder.parent) as entries:
+        stale = [Path(e.path) for e in entries if _is_tmp_of(e.name, folder)]
+    for path in stale:
+        if path.is_symlink() or not path.is_dir():
+            path.unlink(missing_ok=True)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def check_output_folder(folder, name: str = "--out", replaceable: Callable[[Path], bool] | None = None) -> Path:
@@ -223,19 +241,22 @@ def _read_fd(fd: int, path: Path, max_bytes: int) -> bytes:
             raise ValueError(f"{path}: is not a regular file (a FIFO, socket or device)")
         if st.st_size > max_bytes:
             raise ValueError(f"{path}: is {st.st_size} bytes, more than the {max_bytes} allowed")
-        chunks, left = [], max_bytes + 1
-        while left > 0:
-            chunk = os.read(fd, min(left, 1 << 24))
-            if not chunk:
+        # one buffer of the file's size, filled in place (no chunk list joined into a second copy)
+        buf = bytearray(st.st_size)
+        view, got = memoryview(buf), 0
+        while got < st.st_size:
+            n = os.readv(fd, [view[got:]])
+            if n == 0:
                 break
-            chunks.append(chunk)
-            left -= len(chunk)
-        data = b"".join(chunks)
+            got += n
+        view.release()
+        if os.read(fd, 1):
+            raise ValueError(f"{path}: grew past its size while being read")
     except OSError as exc:
         raise ValueError(f"{path}: cannot be read ({exc.strerror})") from None
-    if len(data) > max_bytes:
-        raise ValueError(f"{path}: grew past the {max_bytes} bytes allowed while being read")
-    return data
+    if got < st.st_size:
+        raise ValueError(f"{path}: shrank while being read ({got} of {st.st_size} bytes)")
+    return bytes(buf) if got < (1 << 20) else buf
 
 
 class _Swapped(Exception):
@@ -312,15 +333,21 @@ def read_folder(folder, fn: Callable[[FolderReader], object]):
     for _ in range(_READ_ATTEMPTS):
         fd, opened = None, None
         for cand in (folder, aside):
-            try:
-                fd = os.open(cand, os.O_RDONLY | os.O_DIRECTORY)
+            try:  # the aside name is the protocol's own: never followed when it is a symlink
+                fd = os.open(cand, os.O_RDONLY | os.O_DIRECTORY | (os.O_NOFOLLOW if cand is aside else 0))
                 opened = cand
                 break
             except FileNotFoundError:
                 continue
             except NotADirectoryError:
+                if cand is aside:  # O_NOFOLLOW on a symlink, or a file planted under that name
+                    raise ValueError(f"{folder}: directory missing ({aside.name} is not a set this toolkit "
+                                     "wrote: a symbolic link or a file)") from None
                 raise ValueError(f"{folder}: is not a directory") from None
             except OSError as exc:
+                if cand is aside and exc.errno == errno.ELOOP:
+                    raise ValueError(f"{folder}: directory missing ({aside.name} is a symbolic link, not a set "
+                                     "this toolkit wrote)") from None
                 raise ValueError(f"{folder}: cannot be opened ({exc.strerror})") from None
         if fd is None:
             if not _wait_for_writer(folder) and not (os.path.lexists(folder) or os.path.lexists(aside)):

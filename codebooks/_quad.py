@@ -107,6 +107,10 @@ def _panel_width(kind, n, t, hmax):
     return h
 
 
+#: log of the smallest positive float64 (subnormal): exp of anything below is exactly 0
+UNDERFLOW_NATS = -745.2
+
+
 @njit(cache=True)
 def _piece(kind, n, logc, a0, a1, start, stop, ref, hmax, nodes, weights):
     """Integrate (1, x-ref, (x-ref)^2) * w over [start, stop] marching from ``start``.
@@ -124,6 +128,10 @@ def _piece(kind, n, logc, a0, a1, start, stop, ref, hmax, nodes, weights):
     l0 = _log_weight(kind, n, start)
     pos = 0.0  # distance marched from start
     peaked = kind != UNIFORM
+    if peaked and logc + l0 < UNDERFLOW_NATS:
+        # every weight of the piece underflows to 0 (it only falls along the march): nothing to add.
+        # Without this, a cell far in a Gaussian tail (levels scaled by 1e50) marched ~1e50 panels.
+        return p, r, d
     while pos < length:
         here = start + direction * pos
         h = _panel_width(kind, n, here, hmax)

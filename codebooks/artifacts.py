@@ -177,7 +177,26 @@ def _shape_ok(shape) -> bool:
     return isinstance(shape, list) and len(shape) <= 8 and all(is_int(n) and 0 <= n < 2**40 for n in shape)
 
 
+_SHA_LINE = re.compile(rb'\n "manifest_sha256": "([0-9a-f]{64})",\n')
+
+
+def _check_manifest_hash(path: Path, raw: bytes) -> None:
+    """``manifest_sha256`` against the bytes, before any parsing (a large edited or forged manifest is
+    refused in one pass over its bytes, not after building and re-serialising its JSON). In the
+    canonical form the field is one line between ``kind`` and ``schema_version``; without that line
+    the bytes are the canonical form of the rest, which is what the hash covers."""
+    found = list(_SHA_LINE.finditer(raw))
+    if len(found) != 1:
+        fail(path, "no single top-level 'manifest_sha256' line: not the canonical form this toolkit writes "
+                   "(edited or corrupted)")
+    m = found[0]
+    if sha256(raw[:m.start()] + raw[m.end() - 1:]) != m.group(1).decode():
+        fail(path, "manifest_sha256 does not match the manifest content (edited or corrupted)")
+
+
 def _parse_manifest(path: Path, raw: bytes, kind: str) -> dict:
+    if len(raw) > 1 << 20:  # small manifests parse in milliseconds and get the parser's precise messages
+        _check_manifest_hash(path, raw)
     try:
         manifest = parse_json(raw)
     except ValueError as exc:
@@ -285,9 +304,17 @@ def _load(reader: FolderReader, kind: str) -> Artifacts:
             raise TableFileError(str(exc)) from None
 
     manifest = _parse_manifest(mpath, read(MANIFEST, MAX_MANIFEST_BYTES), kind)
+    # sizes bounded from the manifest before a byte of the data is read: the tensor file holds the
+    # listed arrays plus a header of bounded size; other files (a C header) at most a few dozen
+    # characters per array element
+    specs = [(key, spec) for entry in manifest["entries"] for key, spec in entry["arrays"].items()]
+    data_bytes = sum(math.prod(sp["shape"]) * np.dtype(sp["dtype"]).itemsize for _, sp in specs)
+    elements = sum(math.prod(sp["shape"]) for _, sp in specs)
+    header_bytes = 8 + 1024 + sum(len(key.encode()) + 160 for key, _ in specs)
+    limits = {TENSORS: min(MAX_TENSOR_BYTES, data_bytes + header_bytes)}
     files = {}
     for name, digest in manifest["files"].items():
-        data = read(name, MAX_TENSOR_BYTES)
+        data = read(name, limits.get(name, min(MAX_TENSOR_BYTES, (1 << 20) + 64 * elements + 512 * len(specs))))
         if sha256(data) != digest:
             fail(folder / name, "sha256 does not match the manifest (corrupted, truncated or replaced)")
         files[name] = data

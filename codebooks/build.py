@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from ._atomic import read_file
-from ._validate import JSON_MAX_BYTES, parse_json
+from ._validate import JSON_MAX_BYTES, MAX_BITS, parse_json
 from .codebook import Codebook
 from .densities import Density, Gaussian, PolarAngle, SphereMarginal
 from .solver import lloyd_max
@@ -102,6 +102,27 @@ def parse_float_list(text: str, name: str) -> list[float]:
     return list(dict.fromkeys(vals))
 
 
+def _load_npy(raw: bytes) -> np.ndarray:
+    """A numeric .npy array, its header checked before anything is allocated: a plain numeric dtype,
+    at most ``2**MAX_BITS`` values, and exactly the bytes the header declares (a 160-byte file
+    declaring 10^12 elements gave a MemoryError traceback)."""
+    f = io.BytesIO(raw)
+    major, _ = np.lib.format.read_magic(f)
+    read_header = {1: np.lib.format.read_array_header_1_0, 2: np.lib.format.read_array_header_2_0}.get(major)
+    if read_header is None:
+        raise ValueError(f"unsupported .npy format version {major}")
+    shape, _, dtype = read_header(f)
+    count = math.prod(shape)
+    if dtype.hasobject or dtype.kind not in "fiu":
+        raise ValueError(f"holds {dtype} values, not numbers")
+    if count > 1 << MAX_BITS:
+        raise ValueError(f"declares {count} values; a table has at most {1 << MAX_BITS}")
+    if len(raw) - f.tell() != count * dtype.itemsize:
+        raise ValueError(f"declares shape {shape} of {dtype} ({count * dtype.itemsize} bytes) but holds "
+                         f"{len(raw) - f.tell()} bytes of data")
+    return np.load(io.BytesIO(raw), allow_pickle=False)
+
+
 def read_levels(spec: str, name: str = "--levels") -> np.ndarray:
     """Levels from a file (.npy, .json list, or whitespace/comma-separated text) or a list.
 
@@ -115,7 +136,7 @@ def read_levels(spec: str, name: str = "--levels") -> np.ndarray:
         try:
             raw = read_file(path, JSON_MAX_BYTES)
             if path.suffix == ".npy":
-                arr = np.load(io.BytesIO(raw), allow_pickle=False)
+                arr = _load_npy(raw)
             elif path.suffix == ".json":
                 obj = parse_json(raw)
                 if not isinstance(obj, list) or not all(isinstance(v, int | float) and not isinstance(v, bool)

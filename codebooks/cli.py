@@ -9,6 +9,7 @@ kvq-codebooks audit --dist sphere --dim 128 --levels=-0.133,-0.04,0.04,0.133
 kvq-codebooks show DIR
 kvq-codebooks calibrate --qkv captured.safetensors --out calib/
 kvq-codebooks export --format llama.cpp --bits 2,3,4 --out turbo_tables.h
+kvq-codebooks export --format llama.cpp --apply-to ~/llama-cpp-turboquant [--patch exact.patch]
 kvq-codebooks golden --method kivi --out DIR      (added by kvq_ref, see PLUGIN_GROUP)
 """
 
@@ -20,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from ._atomic import check_output_folder, read_file
+from ._atomic import check_output_file, check_output_folder, read_file, write_file
 from ._validate import MAX_BITS, check_int
 from ._version import __version__
 from .artifacts import MANIFEST, TENSORS, holds_only
@@ -112,6 +113,12 @@ def _cmd_export(args) -> int:
     if args.format not in FORMATS:
         raise ValueError(f"--format must be one of {', '.join(FORMATS)}, got {args.format!r}")
     bits = parse_int_list(args.bits, "--bits")
+    if (args.out is None) == (args.apply_to is None):
+        raise ValueError("give exactly one of --out FILE (write a header) and --apply-to FORK_DIR (rewrite a checkout)")
+    if args.apply_to is not None:
+        return _apply_to_fork(args, bits)
+    if args.patch is not None or args.fork_profile is not None:
+        raise ValueError("--patch and --fork-profile go with --apply-to FORK_DIR")
     cbs = llama_cpp_codebooks(bits, args.dim)
     out = Path(args.out)
     if out.is_dir():
@@ -120,6 +127,35 @@ def _cmd_export(args) -> int:
     out.write_bytes(render_llama_cpp_header(cbs, args.dim))
     print(f"wrote {out}: CENTROIDS/THRESHOLDS_<b>BIT of SphereMarginal({args.dim}) at bits "
           f"{', '.join(map(str, bits))} (float32, llama.cpp TurboQuant form)")
+    return 0
+
+
+def _apply_to_fork(args, bits: list[int]) -> int:
+    """``export --format llama.cpp --apply-to FORK_DIR [--patch FILE]``: codebooks.llama_cpp."""
+    from .llama_cpp import plan_rewrite
+
+    if args.dim != 128:
+        raise ValueError(f"--dim: a fork rewrite uses the profile's dimension (128), got {args.dim}")
+    patch = None if args.patch is None else check_output_file(args.patch, "--patch")
+    plan = plan_rewrite(args.apply_to, bits, args.fork_profile)  # ForkMismatch (a ValueError): nothing written
+    prof = plan.profile
+    what = f"{len(plan.changed)} definition(s) in {len(plan.files_changed)} file(s)"
+    if not plan.files_changed:
+        print(f"{args.apply_to} ({prof.name}): nothing to change, its {len(plan.already)} turbo table definition(s) "
+              "already hold the exact values")
+        return 0
+    if patch is not None:
+        write_file(patch, plan.patch().encode("utf-8"))
+        print(f"wrote {patch}: the rewrite of {what} of {args.apply_to} ({prof.name}) as a unified diff "
+              "(apply with `git apply` or `patch -p1` in the checkout)")
+    else:
+        plan.apply()
+        print(f"rewrote {what} of {args.apply_to} ({prof.name}): turbo tables at bits {', '.join(map(str, bits))} "
+              f"now hold the exact Lloyd-Max levels of SphereMarginal({prof.dim}) and their midpoints")
+    for where in plan.changed:
+        print(f"  {where}")
+    if plan.already:
+        print(f"  already exact, left as they are: {len(plan.already)} definition(s)")
     return 0
 
 
@@ -242,7 +278,13 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--format", required=True, help="llama.cpp: the TurboQuant fork's CENTROIDS_<b>BIT tables")
     e.add_argument("--bits", default="2,3,4", help="bit widths in 1..8 (default 2,3,4: turbo2/3/4)")
     e.add_argument("--dim", type=int, default=128, help="SphereMarginal dimension (default 128, the fork's group)")
-    e.add_argument("--out", required=True, help="output file (.h)")
+    e.add_argument("--out", help="output file (.h): a header with the tables (not drop-in for the fork)")
+    e.add_argument("--apply-to", metavar="FORK_DIR",
+                   help="rewrite every turbo table and threshold of this llama.cpp TurboQuant fork checkout in "
+                        "place (refused, nothing changed, unless its files match a known revision: "
+                        "codebooks/data/llama_cpp/forks.json)")
+    e.add_argument("--patch", metavar="FILE", help="with --apply-to: write the rewrite as a unified diff instead")
+    e.add_argument("--fork-profile", help="with --apply-to: the fork revision's profile (default: the one that matches)")
     e.set_defaults(func=_cmd_export)
 
     s = sub.add_parser("show", help="list the codebooks of a table set")

@@ -6,7 +6,7 @@ returning the integrals of ``x**k f(x)`` over ``[a, b]`` for k = 0, 1, 2.
 
 Notes
 -----
-Closed forms (REFERENCE.md section 1):
+Closed forms (:ref:`ref-sphere-density`):
 
 * ``SphereMarginal(d)``: one coordinate of a uniform point on S^{d-1},
   ``f_d(x) = C_d (1 - x^2)^{(d-3)/2}`` with ``C_d = Gamma(d/2) / (sqrt(pi) Gamma((d-1)/2))``;
@@ -15,11 +15,11 @@ Closed forms (REFERENCE.md section 1):
   ``p = (d-1)/2`` is evaluated as ``A^p * -expm1(p log(B/A))`` (no cancellation). For the second
   moment, ``x^2 f`` on [0, u] integrates to ``I_{u^2}(3/2, (d-1)/2) / (2d)`` (X^2 is
   Beta(1/2, (d-1)/2); its size-biased law is Beta(3/2, (d-1)/2)), one positive term per side of 0
-  (the identity ``x^2 (1-x^2)^k = (1-x^2)^k - (1-x^2)^{k+1}`` of REFERENCE.md would cancel near 0).
+  (the identity ``x^2 (1-x^2)^k = (1-x^2)^k - (1-x^2)^{k+1}`` of :ref:`ref-sphere-density` would cancel near 0).
 * ``Gaussian(sigma)``: ``P = Phi(b) - Phi(a)`` (tail-aware), ``int x phi = phi(a) - phi(b)``
   (as ``phi(a) * -expm1(-(b^2-a^2)/2)``); ``int x^2 phi`` via the chi-square(3) law of the
   size-biased X^2 (regularized incomplete gamma, each side of 0 separately, tail-aware).
-* ``PolarAngle(level)``: PolarQuant's angle at recursion level l (REFERENCE.md section 6).
+* ``PolarAngle(level)``: PolarQuant's angle at recursion level l (:ref:`ref-polarquant`).
   Level 1 is uniform on [0, 2 pi). For l >= 2, with ``m = 2^(l-1)``,
   ``f(psi) = Gamma(m) / (2^(m-2) Gamma(m/2)^2) sin^(m-1)(2 psi)`` on [0, pi/2]; ``sin^2 psi``
   is Beta(m/2, m/2), which gives the mass in closed form and ``Var = psi_1(1 + (m-1)/2) / 8``
@@ -457,7 +457,7 @@ class Gaussian(Density):
 
 @dataclass(frozen=True, repr=False)
 class PolarAngle(Density):
-    """PolarQuant's angle density at recursion level ``level`` (REFERENCE.md section 6).
+    """PolarQuant's angle density at recursion level ``level`` (:ref:`ref-polarquant`).
 
     Parameters
     ----------

@@ -10,8 +10,10 @@ rotation group) as float32 C arrays in the fork's form (TheTom/llama-cpp-turboqu
 ``THRESHOLDS_<b>BIT[2^b - 1]`` (the cell boundaries its ``nearest_centroid_<b>bit`` hard-codes as
 an if-chain), plus ``kvq_turbo_nearest_index``, that if-chain as a loop: the index of v is the
 first i with ``v < THRESHOLDS[i]`` (strict; a value on a threshold takes the higher cell), else
-``2^b - 1``. A fork build that takes its tables and index rule from this header writes the bytes of
-``kvq_ref``'s TurboBlock profile ``fork@69d8e4be+exact``.
+``2^b - 1``. Code that takes its tables and index rule from this header writes the bytes of
+``kvq_ref``'s TurboBlock profile ``fork@69d8e4be+exact``. The header is not drop-in for the fork
+itself (it repeats its tables in 9 files and hard-codes thresholds): ``codebooks.llama_cpp``
+rewrites a fork checkout instead (``--apply-to``).
 
 Literals are ``%.8e`` with an ``f`` suffix (9 significant digits: every float32 reads back
 exactly); the header depends only on the codebooks and the package version, so it is byte-for-byte

@@ -2,7 +2,7 @@
 
 Notes
 -----
-REFERENCE.md section 9 (derived): coefficients with variances ``lambda_i`` split into groups
+:ref:`ref-nova-kv` (derived): coefficients with variances ``lambda_i`` split into groups
 ``G_j`` of ``g`` coefficients, each coded by a fixed-rate g-dimensional quantizer at the same bits
 per coefficient, have high-rate distortion ``sum_j D_j`` with ``D_j`` proportional to the group's
 geometric mean ``GM_j = exp(v_j)``, ``v_j = (1/g) sum_{i in G_j} log lambda_i`` (its log volume).

@@ -4,7 +4,7 @@
 ``CalibrationStats`` (mergeable), the second maps the keys and values of every head into their
 NOVA-KV coefficients, splits each token into an RMS gain and a shape, groups the coefficients into
 equal-volume groups of ``g`` and trains one k-means codebook of ``2^(bits*g)`` centroids per group
-on the shapes (REFERENCE.md section 9: g = 4 at 2 bits, 256 centroids, 25 iterations). For the
+on the shapes (:ref:`ref-nova-kv`: g = 4 at 2 bits, 256 centroids, 25 iterations). For the
 values of NOVA-KV's release (OSCAR's rotation and INT2) it also builds, per layer, the rotation
 ``R = U H P_br`` of the uncentred value statistic ``sum_t w_t v_t v_t^T`` with ``w_t = k_t^T Sigma_q
 k_t`` (the expected squared logit of token t under the head's pooled queries), pooled over the

@@ -13,7 +13,7 @@ i.e. ``F = grad D / 2``. Its Jacobian (half the Hessian of D) is symmetric tridi
     J_i,i+1  = -f(t_i) (c_{i+1} - c_i) / 4.
 
 Newton's step solves ``J delta = -F`` in O(K). Plain Lloyd (``c <- M/P``) converges linearly with
-a rate that tends to 1 as K grows (REFERENCE.md section 2: ~140k iterations at 8 bits); Newton
+a rate that tends to 1 as K grows (:ref:`ref-lloyd-max`: ~140k iterations at 8 bits); Newton
 converges quadratically from the Panter-Dite compander start (levels at quantiles of f^(1/3)).
 Safeguards: the step is halved until the levels stay ordered inside the support and either D does
 not increase beyond rounding or the residual halves (near the optimum D changes by less than its
@@ -46,7 +46,7 @@ from .empirical import Empirical
 
 __all__ = ["lloyd_max", "DEFAULT_TOL"]
 
-#: Converged means max_i |c_i - centroid_i| <= DEFAULT_TOL * std(X).
+#: Converged means ``max_i |c_i - centroid_i| <= DEFAULT_TOL * std(X)``.
 DEFAULT_TOL = 1e-13
 _EPS = np.finfo(np.float64).eps
 _POLISH_STEPS = 3
@@ -311,6 +311,15 @@ DP_MAX_CELLS = 20_000_000
 
 
 @njit(cache=True)
+def _sse(s0, s1, s2):
+    """Squared error of a cell from its sums of p, p v, p v^2: ``s2 - s1^2 / s0``, clamped at 0. A
+    cell whose mass vanished in the prefix sums (weights spanning more than 1e16) costs ``s2``."""
+    if s0 > 0.0:
+        return max(s2 - s1 * s1 / s0, 0.0)
+    return max(s2, 0.0)
+
+
+@njit(cache=True)
 def _dp_partition(values, probs, k):
     """Globally optimal partition of sorted ``values`` (weights ``probs``) into ``k`` contiguous
     non-empty cells for the squared error: start index (k + 1,) int64 of each cell, ``n`` last.
@@ -337,9 +346,7 @@ def _dp_partition(values, probs, k):
     cur = np.empty(n + 1)
     arg = np.zeros((k + 1, n + 1), dtype=np.int32)
     for j in range(1, n + 1):
-        s0 = S0[j]
-        s1 = S1[j]
-        prev[j] = max(S2[j] - s1 * s1 / s0, 0.0)
+        prev[j] = _sse(S0[j], S1[j], S2[j])
     stack = np.empty((64, 4), dtype=np.int64)
     for m in range(2, k + 1):
         jlo0 = m
@@ -359,9 +366,7 @@ def _dp_partition(values, probs, k):
             best = np.inf
             bi = olo
             for i in range(max(olo, m - 1), min(ohi, mid - 1) + 1):
-                s0 = S0[mid] - S0[i]
-                s1 = S1[mid] - S1[i]
-                c = prev[i] + max((S2[mid] - S2[i]) - s1 * s1 / s0, 0.0)
+                c = prev[i] + _sse(S0[mid] - S0[i], S1[mid] - S1[i], S2[mid] - S2[i])
                 if c < best:
                     best = c
                     bi = i

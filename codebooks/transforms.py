@@ -2,7 +2,7 @@
 
 Notes
 -----
-REFERENCE.md section 9 (NOVA-KV, arXiv 2608.04074; OSCAR, arXiv 2605.17757). Row-vector
+:ref:`ref-nova-kv` (arXiv 2608.04074), :ref:`ref-oscar` (arXiv 2605.17757). Row-vector
 convention: a key is a row ``k`` (1, d).
 
 * NOVA-KV keys. With ``S = Sigma_q^(1/2)`` (symmetric) and ``A = S C_k S = V Lambda V^T``

@@ -2,7 +2,7 @@
 
 Notes
 -----
-NOVA-KV (REFERENCE.md section 9) stores a per-token RMS gain and codes the gain-normalized
+NOVA-KV (:ref:`ref-nova-kv`) stores a per-token RMS gain and codes the gain-normalized
 transform coefficients ("shapes") in groups of ``g = 4`` with one ``2**(2 g) = 256``-centroid
 codebook per group, trained by 25 k-means iterations on calibration tokens.
 
@@ -30,7 +30,7 @@ previous centroid. The recorded history is non-increasing:
 
 Hence ``J_{t+1} = J(a_{t+1}, C_{t+1}, p_{t+1}) <= J(a_t, C_{t+1}, p_{t+1}) <= J(a_t, C_t, p_t) = J_t``
 in exact arithmetic. In floating point it holds up to rounding: a computed mean is off by
-~eps |c|, which can raise D by ~eps^2 |x|^2 (from 0, say, when every point sits on a centroid),
+``~eps |c|``, which can raise D by ``~eps^2 |x|^2`` (from 0, say, when every point sits on a centroid),
 and the sums add ~N eps D; the means are computed in two passes (sum, then the mean residual) to
 keep this small. The loop stops early when an assignment repeats the previous one: the means are
 a function of the assignment alone, so the next update would reproduce the same centroids and
@@ -50,7 +50,7 @@ from ._validate import check_int, finite_array
 __all__ = ["VQCodebook", "kmeans", "ecvq", "kmeans_pp_init", "gain_shape_split", "train_group_codebooks",
            "KMEANS_ITERATIONS", "SEED_STRIDE", "MAX_CODE_BITS"]
 
-#: NOVA-KV's released number of k-means iterations (REFERENCE.md section 9).
+#: NOVA-KV's released number of k-means iterations (:ref:`ref-nova-kv`).
 KMEANS_ITERATIONS = 25
 #: Group ``j``'s codebook in ``train_group_codebooks`` is seeded with ``seed * SEED_STRIDE + j``.
 SEED_STRIDE = 100003

@@ -11,7 +11,7 @@ from codebooks import TABLE_SCHEMA_VERSION, Codebook, SphereMarginal, load_table
 from codebooks._validate import check_int
 from codebooks.build import SHIPPED_DIR
 
-__all__ = ["DeviceTable", "load_device_table", "TableMismatchError"]
+__all__ = ["DeviceTable", "load_device_table", "check_device_table", "TableMismatchError"]
 
 
 class TableMismatchError(ValueError):
@@ -45,6 +45,49 @@ class DeviceTable:
     @property
     def dim(self) -> int:
         return self.codebook.density.d
+
+
+def check_device_table(table, dim: int, bits: int) -> DeviceTable:
+    """Refuse, before any launch, a table the kernels cannot index safely or that is not the exact
+    SphereMarginal(dim) table at ``bits`` (a hand-built ``DeviceTable`` is trusted in nothing).
+
+    The four tensors must be 1-D, contiguous, on one device, of dtypes float64/float64/float32/
+    float32 and sizes 2^bits / 2^bits - 1, and hold exactly the codebook's levels and thresholds
+    (float32: their rounding). Costs one small device-to-host copy per tensor (<= 4096 values).
+
+    Raises
+    ------
+    TypeError
+        Not a DeviceTable, or a field of the wrong type or dtype.
+    TableMismatchError
+        Another table, another size, device or values.
+    """
+    import torch
+
+    if not isinstance(table, DeviceTable):
+        raise TypeError(f"table must be a gpu.tables.DeviceTable, got {type(table).__name__}")
+    cb = table.codebook
+    if not isinstance(cb, Codebook) or not isinstance(cb.density, SphereMarginal):
+        raise TableMismatchError(f"table.codebook must be a SphereMarginal Codebook, got {type(cb).__name__}")
+    if cb.density.d != dim or cb.bits != bits:
+        raise TableMismatchError(f"table is SphereMarginal({cb.density.d}) at {cb.bits} bits, the kernel needs "
+                                 f"SphereMarginal({dim}) at {bits} bits")
+    k = 1 << bits
+    want = {"levels": (torch.float64, cb.levels), "thresholds": (torch.float64, cb.thresholds),
+            "levels32": (torch.float32, cb.levels.astype(np.float32)),
+            "thresholds32": (torch.float32, cb.thresholds.astype(np.float32))}
+    device = getattr(table.levels, "device", None)
+    for name, (dtype, values) in want.items():
+        t = getattr(table, name)
+        if not isinstance(t, torch.Tensor) or t.dtype != dtype:
+            raise TypeError(f"table.{name} must be a {dtype} torch.Tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+        size = k if name.startswith("levels") else k - 1
+        if t.ndim != 1 or t.shape[0] != size or not t.is_contiguous() or t.device != device:
+            raise TableMismatchError(f"table.{name} must be a contiguous 1-D tensor of {size} values on {device}, "
+                                     f"got shape {tuple(t.shape)} on {t.device}")
+        if not np.array_equal(t.detach().cpu().numpy(), values):
+            raise TableMismatchError(f"table.{name} does not hold the values of {cb.name} (edited or hand-built)")
+    return table
 
 
 def load_device_table(dim: int, bits: int, folder=None, device="cpu", schema: int = TABLE_SCHEMA_VERSION) -> DeviceTable:

@@ -41,6 +41,10 @@ class Band:
         return self.label.replace(",", "-")
 
 
+#: largest sink or window of a band, in tokens (beyond any context here; larger ones overflowed int64 late)
+MAX_BAND = 1 << 24
+
+
 def parse_band(text: str) -> Band | None:
     """``"none"`` -> Band(0, 0); ``"S,W"`` -> Band(S, W); ``"own"`` -> None (each method's own band)."""
     if not isinstance(text, str):
@@ -51,8 +55,8 @@ def parse_band(text: str) -> Band | None:
     if t == "none":
         return Band(0, 0)
     parts = t.split(",")
-    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
-        raise ValueError(f"band must be 'none', 'own' or 'S,W' (two non-negative integers), got {text!r}")
+    if len(parts) != 2 or not all(p.strip().isdigit() and int(p) <= MAX_BAND for p in parts):
+        raise ValueError(f"band must be 'none', 'own' or 'S,W' (two integers in 0..{MAX_BAND}), got {text!r}")
     return Band(int(parts[0]), int(parts[1]))
 
 

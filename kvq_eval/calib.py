@@ -20,9 +20,11 @@ from codebooks.nova import NovaModel, calibrate
 
 from .hooks import register, session
 from .models import cache_dir
+from .provenance import artifact_digest
 from .text import part
 
-__all__ = ["capture", "save_qkv", "CalibrationTables", "calibration_tables", "token_chunks"]
+__all__ = ["capture", "save_qkv", "CalibrationTables", "calibration_tables", "calibration_folder", "stored_digests",
+           "token_chunks"]
 
 
 def capture(model, ids) -> dict:
@@ -54,14 +56,15 @@ def save_qkv(sequences: list[dict], path) -> Path:
     return path
 
 
-def token_chunks(tok, text: str, length: int, count: int):
-    """``count`` consecutive, non-overlapping token id tensors (1, length) from ``text``."""
-    import torch
-
+def token_chunks(tok, text: str, length: int, count: int, spread: bool = False):
+    """``count`` non-overlapping token id tensors (1, length) from ``text``: consecutive from its
+    start, or with ``spread`` starting at ``i * (N // count)`` (``N`` tokens in all), so that short
+    windows sample the whole text rather than one stretch of it."""
     ids = tok(text, return_tensors="pt").input_ids[0]
     if ids.numel() < length * count:
-        raise ValueError(f"text has {ids.numel()} tokens, need {length * count}")
-    return [ids[i * length:(i + 1) * length].unsqueeze(0) for i in range(count)]
+        raise ValueError(f"text has {ids.numel()} tokens, need {length * count} ({count} windows of {length})")
+    stride = ids.numel() // count if spread else length
+    return [ids[i * stride:i * stride + length].unsqueeze(0) for i in range(count)]
 
 
 @dataclass(eq=False)  # hashed by identity: method instances are cached per tables object
@@ -75,22 +78,62 @@ class CalibrationTables:
 
     model: NovaModel
     stats: CalibrationStats
-    official_loader: Callable[[], NovaModel] | None = None
+    official_loader: Callable[[], "CalibrationTables | NovaModel"] | None = None
+    folder: Path | None = None
 
-    def official_model(self) -> NovaModel:
-        """The ``grouping="round_robin"`` NovaModel (NOVA-KV's release default), computed once."""
+    def official_tables(self) -> "CalibrationTables":
+        """The ``grouping="round_robin"`` calibration (NOVA-KV's release default), computed once."""
         cached = self.__dict__.get("_official")
         if cached is None:
             if self.official_loader is None:
                 raise ValueError("these calibration tables have no round_robin calibration (official_loader)")
-            cached = self.__dict__["_official"] = self.official_loader()
+            got = self.official_loader()  # CalibrationTables, or a bare NovaModel on these statistics
+            cached = got if isinstance(got, CalibrationTables) else CalibrationTables(got, self.stats)
+            self.__dict__["_official"] = cached
         return cached
+
+    def official_model(self) -> NovaModel:
+        """The ``grouping="round_robin"`` NovaModel (``official_tables().model``)."""
+        return self.official_tables().model
+
+    def digests(self, official: bool = False) -> dict:
+        """``{"calibration": ..., "nova_kv": ...}``: the artifact digests (``provenance.artifact_digest``)
+        of the statistics and the NOVA-KV tables a method reads; ``official`` adds the round_robin
+        tables as ``"nova_kv_round_robin"``. Empty for tables not made by ``calibration_tables``."""
+        if self.folder is None:
+            return {}
+        out = {"calibration": artifact_digest(self.folder / "calibration"),
+               "nova_kv": artifact_digest(self.folder / "nova_kv")}
+        if official:
+            out["nova_kv_round_robin"] = artifact_digest(self.official_tables().folder / "nova_kv")
+        return out
 
     def channel_rms(self, layer: int, head: int, role: str) -> np.ndarray:
         """Per-channel RMS of the calibration keys (or score-weighted values): outlier selection."""
         st = self.stats.head(layer, head)
         m = st.keys if role == "key" else st.values_s1
         return np.sqrt(np.diag(m.cov) + m.mean**2)
+
+
+def calibration_folder(name: str, sequences: int = 2, length: int = 1024, iterations: int = 25,
+                       seed: int = 0) -> Path:
+    """The cache folder of a model's (swap) calibration with these settings; the round_robin one is
+    ``<folder>-round_robin``."""
+    key = hashlib.sha256(f"{name}|{sequences}|{length}|{iterations}|{seed}|v2".encode()).hexdigest()[:12]
+    return cache_dir() / "calibration" / f"{name}-{key}"
+
+
+def stored_digests(name: str, length: int, official: bool = False) -> dict | None:
+    """``CalibrationTables.digests`` of the calibration already on this machine (default settings,
+    ``length`` tokens per sequence), or None when it is not (or only partly) there. Computes nothing."""
+    folder = calibration_folder(name, length=length)
+    parts = [folder / "calibration", folder / "nova_kv"] + ([Path(f"{folder}-round_robin") / "nova_kv"] if official else [])
+    if not all((p / "manifest.json").is_file() for p in parts):
+        return None
+    out = {"calibration": artifact_digest(parts[0]), "nova_kv": artifact_digest(parts[1])}
+    if official:
+        out["nova_kv_round_robin"] = artifact_digest(parts[2])
+    return out
 
 
 def calibration_tables(model, tok, name: str, sequences: int = 2, length: int = 1024,
@@ -104,21 +147,19 @@ def calibration_tables(model, tok, name: str, sequences: int = 2, length: int = 
     """
     if grouping not in ("swap", "round_robin"):
         raise ValueError(f"grouping must be 'swap' or 'round_robin', got {grouping!r}")
-    # the key of the committed results' (swap) calibration; round_robin lives beside it
-    key = hashlib.sha256(f"{name}|{sequences}|{length}|{iterations}|{seed}|v2".encode()).hexdigest()[:12]
-    swap_folder = Path(folder) if folder is not None else cache_dir() / "calibration" / f"{name}-{key}"
+    swap_folder = Path(folder) if folder is not None else calibration_folder(name, sequences, length, iterations, seed)
     folder = swap_folder if grouping == "swap" else Path(f"{swap_folder}-{grouping}")
     loader = None
     if grouping == "swap":
         def loader():
             return calibration_tables(model, tok, name, sequences, length, iterations, seed, swap_folder,
-                                      grouping="round_robin").model
+                                      grouping="round_robin")
     if (folder / "nova_kv" / "manifest.json").is_file() and (folder / "calibration" / "manifest.json").is_file():
         return CalibrationTables(NovaModel.load(folder / "nova_kv"), CalibrationStats.load(folder / "calibration"),
-                                 loader)
+                                 loader, folder)
     seqs = [capture(model, ids) for ids in token_chunks(tok, part("calibration"), length, sequences)]
     d = next(iter(seqs[0].values()))[0].shape[-1]
     stats, nova = calibrate(seqs, d, iterations=iterations, seed=seed, grouping=grouping)
     nova.save(folder / "nova_kv")
     stats.save(folder / "calibration")
-    return CalibrationTables(nova, stats, loader)
+    return CalibrationTables(nova, stats, loader, folder)

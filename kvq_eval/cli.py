@@ -3,9 +3,11 @@
 Examples
 --------
 kvq-eval run --model smollm2 --methods tq_mse4,nova --ctx 1024,4096,8192 --band none --band 64,256
-kvq-eval plot results/eval_v2 --model smollm2 -o results/eval_v2/smollm2
-kvq-eval table results/eval_v2 --model smollm2
-kvq-eval compare results/eval_v2 tq_mse4@none fp32
+kvq-eval plot results/eval_v3 --model smollm2 -o results/eval_v3/smollm2
+kvq-eval table results/eval_v3 --model smollm2
+kvq-eval compare results/eval_v3 tq_mse4@none fp32
+kvq-eval recommend results/eval_v3 --model gemma3
+kvq-eval readme README.md docs/evaluation.md --check
 kvq-eval capture --model smollm2 --tokens 1024 --sequences 2 --out qkv.safetensors
 """
 
@@ -110,9 +112,14 @@ def _dry_run(kw: dict, calib_tokens: int) -> int:
 
 
 def _cmd_run(args) -> int:
+    from .checks import check_run, check_run_lengths
+    from .models import load_tokenizer
     from .runner import run_grid
 
     kw = grid_kwargs(args)
+    check_run(kw, args.ray_gpus, args.dry_run)  # before the model loads (issue 53)
+    if not args.dry_run:
+        check_run_lengths(kw, load_tokenizer(args.model))
     if args.dry_run:
         return _dry_run(kw, args.calib_tokens)
     t0 = time.perf_counter()
@@ -124,7 +131,8 @@ def _cmd_run(args) -> int:
 
     previous = signal.signal(signal.SIGTERM, stop)
     try:
-        run_grid(**kw, calib_tokens=args.calib_tokens, ray=args.ray, num_gpus=args.ray_gpus, summary=summary)
+        run_grid(**kw, calib_tokens=args.calib_tokens, ray=args.ray, num_gpus=args.ray_gpus, summary=summary,
+                 reuse=args.reuse, reuse_only=args.reuse_only)
     except KeyboardInterrupt as exc:
         interrupted = str(exc) or "SIGINT"
     finally:
@@ -138,14 +146,19 @@ def _cmd_run(args) -> int:
             entry["interrupted"] = interrupted
         with log.open("a") as f:
             f.write(json.dumps(entry) + "\n")
+    reused = summary.get("reused")
     print(f"{summary.get('ran', 0)} cell(s) run, {summary.get('done_before', 0)} already done, of "
-          f"{summary.get('cells', 0)}; {wall:.0f} s" + (f" (interrupted: {interrupted})" if interrupted else ""))
+          f"{summary.get('cells', 0)}; {wall:.0f} s" + (f" (interrupted: {interrupted})" if interrupted else "")
+          + (f"; reused {', '.join(f'{n} {k}' for k, n in reused.items())}" if reused else "")
+          + (f"; {summary['left']} cell(s) left to compute" if "left" in summary else ""))
     return 130 if interrupted else 0
 
 
 def _cmd_plot(args) -> int:
+    from .checks import writable_folder
     from .plot import plot_results
 
+    writable_folder(Path(args.output).parent, "-o")
     paths = plot_results(args.results, args.model, args.output, _entries(args.entries), args.variant)
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0
@@ -194,16 +207,31 @@ def _cmd_compare(args) -> int:
 
 
 def _cmd_readme(args) -> int:
-    from .readme import refresh_readme_file
+    from .readme import refresh_file
 
-    changed = refresh_readme_file(args.readme, args.results, check=args.check)
+    stale = []
+    for f in args.files:
+        if refresh_file(f, args.results, check=args.check):
+            stale.append(f)
     if args.check:
-        if changed:
-            print(f"{args.readme}: tables differ from {args.results} (run kvq-eval readme to refresh them)")
-            return 1
-        print(f"{args.readme}: tables match {args.results}")
-    else:
-        print(f"{args.readme}: {'tables refreshed' if changed else 'tables already current'}")
+        for f in stale:
+            print(f"{f}: tables differ from {args.results} (run kvq-eval readme to refresh them)")
+        if not stale:
+            print(f"{', '.join(args.files)}: tables match {args.results}")
+        return 1 if stale else 0
+    for f in args.files:
+        print(f"{f}: {'tables refreshed' if f in stale else 'tables already current'}")
+    return 0
+
+
+def _cmd_recommend(args) -> int:
+    from .plot import load_results
+    from .recommend import parse_targets, recommend_table
+
+    targets = parse_targets(args.targets)
+    if args.tokens < 16:
+        raise ValueError(f"--tokens must be at least 16, got {args.tokens}")
+    print(recommend_table(load_results(args.results, args.model), targets, args.tokens))
     return 0
 
 
@@ -213,9 +241,13 @@ def _cmd_capture(args) -> int:
         if v < 1:
             raise ValueError(f"--{name} must be a positive integer, got {v}")
     from .calib import capture, save_qkv, token_chunks
-    from .models import load_model
+    from .checks import check_text_tokens, writable_file
+    from .models import load_model, load_tokenizer
     from .text import part
 
+    writable_file(args.out)  # before the model loads (issue 53)
+    check_text_tokens(load_tokenizer(args.model), args.part, args.tokens * args.sequences,
+                      f"--tokens {args.tokens} x --sequences {args.sequences}")
     model, tok, _ = load_model(args.model)
     seqs = [capture(model, ids) for ids in token_chunks(tok, part(args.part), args.tokens, args.sequences)]
     print(f"wrote {save_qkv(seqs, args.out)}")
@@ -231,10 +263,13 @@ def _cmd_sink(args) -> int:
     if args.window < 0 or args.window >= args.tokens:
         raise ValueError(f"--window must be in 0..{args.tokens - 1}, got {args.window}")
     from .calib import calibration_tables, capture
-    from .models import load_model
+    from .checks import check_text_tokens, writable_file
+    from .models import load_model, load_tokenizer
     from .sink import attention_geometry, sink_report
     from .text import part
 
+    writable_file(args.out)  # before the model loads (issue 53)
+    check_text_tokens(load_tokenizer(args.model), "heldout", args.tokens, f"--tokens {args.tokens}")
     model, tok, _ = load_model(args.model)
     tables = calibration_tables(model, tok, args.model, length=args.calib_tokens)
     ids = tok(part("heldout"), return_tensors="pt").input_ids[:, :args.tokens]
@@ -274,9 +309,17 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--decode", default="1024,512,1", help="long decode: PREFIX,NEW,WINDOWS tokens")
     r.add_argument("--calib-tokens", type=int, default=1024,
                    help="length of each of the 2 calibration sequences (calibrated methods)")
-    r.add_argument("--out", default="results/eval_v2")
-    r.add_argument("--ray", default=None, help="run cells as Ray tasks: auto, ADDRESS, or local")
+    r.add_argument("--out", default="results/eval_v3")
+    r.add_argument("--ray", default=None,
+                   help="run cells as Ray tasks: 'local' starts a Ray instance on this machine (no cluster needed); "
+                   "'auto' joins the running cluster (ray start --head first); or a cluster ADDRESS")
     r.add_argument("--ray-gpus", type=float, default=0.0, help="GPUs per Ray task")
+    r.add_argument("--reuse", default=None, metavar="OLD",
+                   help="an older results folder: copy what it holds of the missing cells on the same inputs "
+                   "(same needle samples, the same long perplexity windows, same calibration digests) before "
+                   "computing the rest; reused entries record reused_from")
+    r.add_argument("--reuse-only", action="store_true",
+                   help="with --reuse: copy what the older folder holds and compute nothing")
     r.add_argument("--dry-run", action="store_true",
                    help="compute nothing: list the grid's missing (task, entry) pairs and how many cells lack each")
     r.set_defaults(func=_cmd_run)
@@ -300,9 +343,9 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--decode", action="store_true",
                    help="instead: the long decodes (perplexity change over the generated tokens, KL, top-1)")
     t.set_defaults(func=_cmd_table)
-    k = sub.add_parser("compare", help="two entries on their shared perplexity windows and long decodes (paired bootstrap "
-                       "over (window, position bin) blocks) and needle samples (McNemar's exact test on exact "
-                       "match, paired bootstrap on log-probability) (Markdown)")
+    k = sub.add_parser("compare", help="two entries on their shared perplexity windows and long decodes and needle "
+                       "samples: paired t interval, paired t and exact sign-flip p over windows (samples); McNemar's "
+                       "exact test on needle exact match (Markdown)")
     k.add_argument("results", help="results folder (the --out of run)")
     k.add_argument("a", help="entry, e.g. tq_mse4@none")
     k.add_argument("b", help="entry to compare against, e.g. fp32")
@@ -310,11 +353,19 @@ def _parser() -> argparse.ArgumentParser:
     k.add_argument("--variant", default="single", choices=VARIANTS,
                    help="needle variant of the paired needle samples (default single; 'all' pools them)")
     k.set_defaults(func=_cmd_compare)
-    m = sub.add_parser("readme", help="recompute the README's evaluation tables from the JSON")
-    m.add_argument("readme", nargs="?", default="README.md")
-    m.add_argument("--results", default="results/eval_v2", help="results folder (the --out of run)")
+    m = sub.add_parser("readme", help="recompute the marked tables of Markdown files (README, docs) from the JSON")
+    m.add_argument("files", nargs="*", default=["README.md", "docs/evaluation.md"],
+                   help="Markdown files with '<!-- kvq-eval ... -->' markers (default: README.md docs/evaluation.md)")
+    m.add_argument("--results", default="results/eval_v3", help="results folder (the --out of run)")
     m.add_argument("--check", action="store_true", help="only compare: exit 1 when a table is stale")
     m.set_defaults(func=_cmd_readme)
+    w = sub.add_parser("recommend", help="the cheapest stored-bits setting within perplexity targets (upper end of "
+                       "the 95%% interval), with and without a 16-bit band, and its needle recall (Markdown)")
+    w.add_argument("results", nargs="?", default="results/eval_v3", help="results folder (the --out of run)")
+    w.add_argument("--model", default="smollm2")
+    w.add_argument("--targets", default="0.5,1,3", help="perplexity increases over fp32, in %% (comma list)")
+    w.add_argument("--tokens", type=int, default=8192, help="window length the targets apply to")
+    w.set_defaults(func=_cmd_recommend)
     c = sub.add_parser("capture", help="exact post-RoPE Q/K/V for kvq-codebooks calibrate")
     c.add_argument("--model", default="smollm2", choices=["smollm2", "gemma3"])
     c.add_argument("--tokens", type=int, default=1024)

@@ -2,8 +2,9 @@
 
 Each ``MethodSpec`` names a key and a value quantizer for every head (seeded per layer and head,
 so rotations and sketches differ between heads as in a real deployment) and the 16-bit band the
-method keeps: NOVA-KV and OSCAR keep the first 64 and last 256 tokens (REFERENCE.md section 9),
-KIVI and QJL their recent full-precision residual of 128 tokens (sections 7-8), the others none.
+method keeps: NOVA-KV and OSCAR keep the first 64 and last 256 tokens (:ref:`ref-nova-kv`),
+KIVI and QJL their recent full-precision residual of 128 tokens (:ref:`ref-qjl`,
+:ref:`ref-kivi`), the others none.
 
 Names and settings. The names of the committed results keep the settings they were run with (our
 variants, each a named option documented in its module): ``kivi2``/``kivi4`` = ``KIVI(rule="exact",

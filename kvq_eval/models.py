@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["MODELS", "ModelInfo", "cache_dir", "load_model", "locate_gguf", "share_threads"]
+__all__ = ["MODELS", "ModelInfo", "cache_dir", "load_model", "load_tokenizer", "locate_gguf", "share_threads"]
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -99,6 +99,19 @@ def load_model(name: str = "smollm2"):
         tok.save_pretrained(fp32)
     model.eval()
     return model, tok, info
+
+
+def load_tokenizer(name: str = "smollm2"):
+    """The model's tokenizer alone (seconds, no weights): what ``kvq_eval.checks`` measures lengths with."""
+    if name not in MODELS:
+        raise ValueError(f"model must be one of {sorted(MODELS)}, got {name!r}")
+    from transformers import AutoTokenizer
+
+    fp32 = cache_dir() / f"{name}-fp32"
+    if (fp32 / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(fp32)
+    gguf = locate_gguf(name)
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
 
 
 def share_threads(torch) -> None:

@@ -2,9 +2,14 @@
 
 Notes
 -----
-REFERENCE.md section 10 (RULER). A needle is "One of the special magic numbers for {key} is:
+:ref:`ref-niah` (RULER). A needle is "One of the special magic numbers for {key} is:
 {value}." with an adjective-noun key and a 7-digit value, inserted at a depth (fraction of the
-filler) between sentences of the KJV haystack. Variants:
+filler) between sentences of a KJV haystack (``haystack_part``): prompts of up to
+``text.SHORT_HAYSTACK_MAX`` tokens take their filler from the ``haystack`` part (Genesis 30 %
+to the end of Exodus, ~35K tokens: protocol v2's samples), longer ones from ``long_haystack``
+(Joshua to Revelation, ~0.9M tokens), so that the 30 samples of an 8K context share little filler
+(``filler_overlap`` measures it: each filler sentence of the short haystack is in 3.5 of 30 4K
+samples on average, 7.5-8.6 at 8K, which is why 8K moved to the long one). Variants:
 
 * ``single``: one needle, asked for;
 * ``multiquery`` (RULER's multi-query): four needles with distinct keys, the target at ``depth``
@@ -13,9 +18,11 @@ filler) between sentences of the KJV haystack. Variants:
 
 Every random choice of a sample (keys, values, asked count, other depths, haystack offset) comes
 from one generator keyed on (variant, context, depth, sample): ``numpy.random.default_rng`` of
-``(VERSION, variant index, context, round(depth * 10**6), sample)``. Two samples never share a
+``(version, variant index, context, round(depth * 10**6), sample)`` with ``version`` =
+``VERSION`` (2) on the short haystack and ``VERSION_LONG`` (3) on the long one. Two samples never share a
 needle by construction of the seed (up to chance collisions of the draws), and the haystack window
 starts at a random sentence of the whole haystack part, so a 1K prompt is not a prefix of a 4K one.
+A prompt needs fewer filler tokens than its haystack holds: a longer context is refused.
 
 The prompt is wrapped in the model's chat template when it has one (the user turn holds document
 and question, the assistant turn starts with the answer prefix). ``Sample.document`` ends where the
@@ -29,14 +36,17 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
-from .text import part
+from .text import SHORT_HAYSTACK_MAX, part
 
-__all__ = ["Sample", "make_sample", "exact_match", "VARIANTS", "ADJECTIVES", "NOUNS"]
+__all__ = ["Sample", "make_sample", "exact_match", "VARIANTS", "ADJECTIVES", "NOUNS", "haystack_part",
+           "filler_overlap"]
 
 VERSION = 2  # part of every sample's seed: bump when the generator changes
+VERSION_LONG = 3  # the seed's version on the long haystack (contexts above text.SHORT_HAYSTACK_MAX)
 VARIANTS = ("single", "multiquery")
 ADJECTIVES = ("ancient", "bright", "calm", "daring", "eager", "faint", "gentle", "hollow", "icy", "jolly",
               "keen", "lively", "mellow", "noble", "odd", "proud", "quiet", "rapid", "silent", "tender",
@@ -72,15 +82,27 @@ class Sample:
     values: tuple[str, ...]
     offset: int  # first haystack sentence used
     chat: bool
+    sentences: int = 0  # filler sentences used (offset, offset + 1, ... modulo the haystack's count)
 
 
 def _sentences(text: str) -> list[str]:
     return [s.strip() for s in re.split(r"(?<=[.;:?!])\s+", text) if s.strip()]
 
 
+def haystack_part(context: int) -> str:
+    """The text part a ``context``-token prompt takes its filler from (module docstring)."""
+    return "haystack" if context <= SHORT_HAYSTACK_MAX else "long_haystack"
+
+
+@lru_cache(maxsize=4)
+def _haystack_sentences(name: str) -> tuple[str, ...]:
+    return tuple(_sentences(part(name)))
+
+
 def sample_rng(variant: str, context: int, depth: float, sample: int) -> np.random.Generator:
     """The one generator of a sample (module docstring)."""
-    return np.random.default_rng([VERSION, VARIANTS.index(variant), int(context), int(round(depth * 10**6)),
+    version = VERSION if haystack_part(int(context)) == "haystack" else VERSION_LONG
+    return np.random.default_rng([version, VARIANTS.index(variant), int(context), int(round(depth * 10**6)),
                                   int(sample)])
 
 
@@ -121,9 +143,15 @@ def make_sample(tok, variant: str, context: int, depth: float, sample: int, hays
     sample : int >= 0
         Index of the sample at this (variant, context, depth).
     haystack : str, optional
-        Filler text (default: the fixture's ``haystack`` part).
+        Filler text (default: ``haystack_part(context)``).
     chat : bool
         Use the tokenizer's chat template when it has one.
+
+    Raises
+    ------
+    ValueError
+        Bad arguments, or a context that needs more filler than the haystack holds (the message
+        names the maximum context; a prompt is never cut short of its label).
     """
     _check(variant, context, depth, sample)
     rng = sample_rng(variant, context, depth, sample)
@@ -144,7 +172,7 @@ def make_sample(tok, variant: str, context: int, depth: float, sample: int, hays
     head, tail = _wrap(tok, "", a) if chat else ("", "\n" + a)
     reference = " " + ", ".join(ask_values) + "."
     needles = [(d, f"One of the special magic numbers for {k} is: {v}.") for d, k, v in zip(depths, keys, values)]
-    sents = _sentences(haystack if haystack is not None else part("haystack"))
+    sents = _sentences(haystack) if haystack is not None else _haystack_sentences(haystack_part(context))
     offset = int(rng.integers(0, len(sents)))
     fixed = head + intro + q + tail
     budget = context - len(tok(fixed, add_special_tokens=False).input_ids) - sum(
@@ -158,13 +186,54 @@ def make_sample(tok, variant: str, context: int, depth: float, sample: int, hays
         filler.append(s)
         used += n
         i += 1
+    if len(filler) == len(sents) and used < budget:
+        raise ValueError(f"context {context} needs more filler than the {haystack_part(context)!r} haystack holds "
+                         f"({used} tokens of {len(sents)} sentences, {budget} needed): this {variant} prompt "
+                         f"reaches at most {context - (budget - used)} tokens (maximum context)")
     for d, text in sorted(needles, key=lambda x: -x[0]):  # insert from the back so positions hold
         filler.insert(int(round(d * len(filler))), text)
     return Sample(variant, context, float(depth), sample, head + intro + " ".join(filler), q + tail, reference,
-                  ask_keys, ask_values, offset, bool(head))
+                  ask_keys, ask_values, offset, bool(head), len(filler) - len(needles))
 
 
 def exact_match(sample: Sample, answer: str) -> bool:
     """Whether every asked value appears (as a digit string) in ``answer`` (1,234,567 counts)."""
     found = set(re.sub(r"[^0-9]+", " ", answer.replace(",", "")).split())
     return all(v in found for v in sample.values)
+
+
+def filler_overlap(tok, variant: str, context: int, depths, samples: int) -> dict:
+    """How much filler the needle samples of one (variant, context) share.
+
+    Parameters
+    ----------
+    tok : tokenizer
+    variant, context : as in ``make_sample``
+    depths : sequence of float
+    samples : int
+        Samples per depth (the grid's cells: ``len(depths) * samples`` prompts).
+
+    Returns
+    -------
+    dict
+        ``prompts``; ``haystack`` (its part name) and ``haystack_sentences``; ``mean_uses`` (over the
+        filler sentences used at all, how many prompts hold each), ``max_uses``; ``pair_overlap``
+        (mean over prompt pairs of the shared sentences as a fraction of a prompt's filler) and
+        ``max_pair_overlap``.
+    """
+    name = haystack_part(context)
+    n = len(_haystack_sentences(name))
+    sets = []
+    for d in depths:
+        for s in range(samples):
+            smp = make_sample(tok, variant, context, float(d), s)
+            sets.append({(smp.offset + i) % n for i in range(smp.sentences)})
+    uses: dict[int, int] = {}
+    for st in sets:
+        for i in st:
+            uses[i] = uses.get(i, 0) + 1
+    pairs = [len(a & b) / max(1, min(len(a), len(b))) for i, a in enumerate(sets) for b in sets[i + 1:]]
+    return {"variant": variant, "context": context, "prompts": len(sets), "haystack": name,
+            "haystack_sentences": n, "mean_uses": float(np.mean(list(uses.values()))),
+            "max_uses": int(max(uses.values())), "pair_overlap": float(np.mean(pairs)) if pairs else 0.0,
+            "max_pair_overlap": float(max(pairs)) if pairs else 0.0}

@@ -1,8 +1,10 @@
 """Tables, paired comparisons and charts of the evaluation, drawn only from its JSON results.
 
-Every mean comes with its interval: needle exact match with a Wilson interval, log-probability
-and perplexity changes with bootstrap intervals (fixed seed, ``kvq_eval.stats``). Needle entries
-are compared with fp32 (and with each other) on the samples that hold both.
+Every mean comes with its interval over independent units (``kvq_eval.stats``): perplexity and
+long-decode changes over windows, log-probability changes over needle samples (Student t
+intervals), needle exact match with a Wilson interval. Needle entries are compared with fp32 (and
+with each other) on the samples that hold both; two entries' perplexity or decode cells on the
+windows both hold (paired t interval, paired t and exact sign-flip p-values).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from .niah import VARIANTS
-from .stats import bootstrap_mean_ci, mcnemar_exact, paired_bootstrap, wilson_interval
+from .stats import MIN_UNITS, mcnemar_exact, paired_test, t_interval, wilson_interval
 
 __all__ = ["load_results", "ppl_summary", "niah_summary", "paired_comparison", "comparison_table",
            "markdown_table", "position_table", "layers_table", "figures", "plot_results", "paired_ppl",
@@ -26,10 +28,20 @@ _REQUIRED = {"ppl": ("entry", "tokens", "windows", "bits_per_element", "band"),
              "layers": ("entry", "attn_rel_err", "logit_mse", "bits_per_element")}
 
 
+#: types of the fields the tables read (a field of another type was a traceback deep in a table)
+_TYPES = {"entry": str, "tokens": int, "windows": list, "band": dict, "variant": str, "context": int,
+          "sample": int, "results": dict, "prefix": int, "new_tokens": int, "attn_rel_err": list, "logit_mse": list,
+          "bits_per_element": (int, float)}
+_MAX_RESULT_BYTES = 64 << 20
+
+
 def _load(path: Path, task: str) -> dict:
-    try:
-        row = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
+    from codebooks._atomic import read_file
+    from codebooks._validate import parse_json
+
+    try:  # a regular file of bounded size (a directory or FIFO named *.json is named, never read or waited on),
+        row = parse_json(read_file(path, _MAX_RESULT_BYTES))  # JSON of bounded nesting, finite numbers
+    except ValueError as exc:
         raise ValueError(f"{path}: not a readable result file ({exc})") from None
     if not isinstance(row, dict):
         raise ValueError(f"{path}: a result file holds a JSON object, got {type(row).__name__}")
@@ -37,6 +49,12 @@ def _load(path: Path, task: str) -> dict:
     if missing:
         raise ValueError(f"{path}: not a kvq-eval {task} result (missing {', '.join(missing)}); "
                          f"delete it or recompute it with kvq-eval run")
+    for k in _REQUIRED[task]:
+        if not isinstance(row[k], _TYPES[k]) or isinstance(row[k], bool):
+            raise ValueError(f"{path}: field {k!r} is a {type(row[k]).__name__}, not a kvq-eval {task} result")
+    rows = row["results"].values() if task == "niah" else row["windows"] if "windows" in row else ()
+    if not all(isinstance(r, dict) for r in rows):
+        raise ValueError(f"{path}: {'results' if task == 'niah' else 'windows'} must hold JSON objects")
     return row
 
 
@@ -78,14 +96,30 @@ def load_results(folder, model: str, entries=None) -> dict:
     return out
 
 
+def _pct(x: float) -> float:
+    return 100.0 * math.expm1(x)
+
+
+def _window_ci(d: np.ndarray):
+    """t interval of the mean of per-window values as a perplexity change in %, or None with fewer
+    than ``MIN_UNITS`` windows (no spread to estimate)."""
+    if d.size < MIN_UNITS:
+        return None
+    lo, hi = t_interval(d)
+    return _pct(lo), _pct(hi)
+
+
+def _window_dnll(windows: list[dict]) -> np.ndarray:
+    """Per-window mean NLL change against fp32, nats per token (the statistical unit)."""
+    return np.array([(w["nll_q"] - w["nll_f"]) / w["n"] for w in windows])
+
+
 def _dppl(windows: list[dict]) -> dict:
-    """Perplexity change against fp32 with a bootstrap interval over windows (per-window mean
-    NLL change per token, resampled, then ``100 (exp(.) - 1)``)."""
-    d = np.array([(w["nll_q"] - w["nll_f"]) / w["n"] for w in windows])
+    """Perplexity change against fp32 with a t interval over windows (per-window mean NLL change
+    per token; its mean and interval bounds as ``100 (exp(.) - 1)``)."""
+    d = _window_dnll(windows)
     n = sum(w["n"] for w in windows)
-    lo, hi = bootstrap_mean_ci(d)
-    pct = lambda x: 100.0 * math.expm1(x)  # noqa: E731
-    return {"windows": len(windows), "dppl": pct(float(d.mean())), "ci": (pct(lo), pct(hi)),
+    return {"windows": len(windows), "dppl": _pct(float(d.mean())), "ci": _window_ci(d),
             "ppl": math.exp(sum(w["nll_q"] for w in windows) / n),
             "ppl_fp32": math.exp(sum(w["nll_f"] for w in windows) / n),
             "kl": sum(w["kl"] for w in windows) / n, "top1": sum(w["top1"] for w in windows) / n}
@@ -104,8 +138,8 @@ def ppl_summary(res: dict) -> dict:
 
 def niah_summary(cells: list[dict]) -> dict:
     """{entry: {context: {"n", "exact", "ci", "dlogprob", "dlogprob_ci", "bits"}}}: exact match with
-    its Wilson interval, and the log-probability change against fp32 with a paired bootstrap
-    interval, over the samples holding both the entry and fp32."""
+    its Wilson interval, and the log-probability change against fp32 with a paired t interval over
+    the samples holding both the entry and fp32 (at least ``MIN_UNITS`` of them)."""
     by: dict = {}
     for cell in cells:
         r = cell["results"]
@@ -120,10 +154,10 @@ def niah_summary(cells: list[dict]) -> dict:
         for c, d in sorted(ctxs.items()):
             n, k = len(d["exact"]), sum(d["exact"])
             row = {"n": n, "exact": k / n, "ci": wilson_interval(k, n), "bits": float(np.mean(d["bits"]))}
-            if d["dlp"]:
+            if len(d["dlp"]) >= MIN_UNITS:
                 a, b = np.array(d["dlp"]).T
-                pb = paired_bootstrap(a, b)
-                row.update(dlogprob=pb["mean_diff"], dlogprob_ci=pb["ci"], paired=pb["n"])
+                pt = paired_test(a, b)
+                row.update(dlogprob=pt["mean_diff"], dlogprob_ci=pt["ci"], paired=pt["n"])
             out.setdefault(e, {})[c] = row
     return out
 
@@ -134,9 +168,11 @@ def paired_comparison(cells: list[dict], a: str, b: str) -> dict:
     Returns
     -------
     dict
-        ``{context: {"n", "a_only", "b_only", "both", "neither", "p_mcnemar", "dlogprob", "ci", "p_bootstrap"}}``:
-        McNemar's exact test on exact match and a paired bootstrap of the log-probability
-        difference ``a - b`` (``kvq_eval.stats``).
+        ``{context: {"n", "a_only", "b_only", "both", "neither", "p_mcnemar", "dlogprob", "ci", "p_t",
+        "p_signflip"}}``: McNemar's exact test on exact match and the paired test of the
+        log-probability difference ``a - b`` over samples (t interval, paired t and sign-flip
+        p-values, ``kvq_eval.stats.paired_test``); a context with fewer than ``MIN_UNITS`` shared
+        samples has only the McNemar columns and ``dlogprob`` (``ci`` and the p-values None).
     """
     _check_pair(a, b)
     seen = set().union(*(cell["results"] for cell in cells)) if cells else set()
@@ -155,10 +191,11 @@ def paired_comparison(cells: list[dict], a: str, b: str) -> dict:
     for ctx, rows in sorted(pairs.items()):
         ea, eb, la, lb = (np.array(x) for x in zip(*rows))
         mc = mcnemar_exact(ea, eb)
-        pb = paired_bootstrap(la, lb)
+        pt = (paired_test(la, lb) if la.size >= MIN_UNITS else
+              {"mean_diff": float(la[0] - lb[0]), "ci": None, "p_t": None, "p_signflip": None})
         out[ctx] = {"n": mc["n"], "a_only": mc["a_only"], "b_only": mc["b_only"], "both": mc["both"],
-                    "neither": mc["neither"], "p_mcnemar": mc["p"], "dlogprob": pb["mean_diff"], "ci": pb["ci"],
-                    "p_bootstrap": pb["p"]}
+                    "neither": mc["neither"], "p_mcnemar": mc["p"], "dlogprob": pt["mean_diff"], "ci": pt["ci"],
+                    "p_t": pt["p_t"], "p_signflip": pt["p_signflip"]}
     return out
 
 
@@ -169,50 +206,47 @@ def _check_pair(a, b) -> None:
         raise ValueError(f"entries a and b must differ, got {a!r} twice")
 
 
-def _paired_blocks(wa: list[dict], wb: list[dict], what: str) -> dict:
-    """Paired bootstrap over (window, position bin) blocks of two entries' windows of the same
-    tokens (``paired_ppl``)."""
+def _paired_windows(wa: list[dict], wb: list[dict], what: str) -> dict:
+    """Paired test over windows of two entries' cells of the same windows (``paired_ppl``)."""
     if len(wa) != len(wb) or any(x["n"] != y["n"] for x, y in zip(wa, wb)):
         raise ValueError(f"{what}: the two entries hold different windows ({len(wa)} vs {len(wb)}); "
                          f"compare cells of the same settings")
-    da = np.concatenate([x["dnll_bins"] for x in wa])
-    db = np.concatenate([y["dnll_bins"] for y in wb])
-    pb = paired_bootstrap(da, db)
-    return {"windows": len(wa), "blocks": int(da.size), "dnll": pb["mean_diff"], "ci": pb["ci"], "p": pb["p"],
-            "ratio_pct": 100.0 * math.expm1(pb["mean_diff"]),
-            "window_dnll": [(x["nll_q"] - y["nll_q"]) / x["n"] for x, y in zip(wa, wb)]}
+    if len(wa) < MIN_UNITS:
+        raise ValueError(f"{what}: {len(wa)} window(s); a paired test needs at least {MIN_UNITS}")
+    # the entries' NLL difference on the same tokens, per window (fp32's NLL cancels)
+    per = np.array([(x["nll_q"] - y["nll_q"]) / x["n"] for x, y in zip(wa, wb)])
+    pt = paired_test(per, np.zeros_like(per))
+    return {"windows": len(wa), "dnll": pt["mean_diff"], "ci": pt["ci"], "p_t": pt["p_t"],
+            "p_signflip": pt["p_signflip"], "ratio_pct": _pct(pt["mean_diff"]), "window_dnll": [float(x) for x in per]}
 
 
 def paired_ppl(res: dict, a: str, b: str) -> dict:
     """Entry ``a`` against entry ``b`` on the perplexity windows both were run on, per window length.
 
-    The unit is a (window, position bin) block (``POSITION_BINS`` per window, ~T/16 consecutive
-    tokens): its per-token NLL change against fp32 is stored in each cell (``dnll_bins``), and the
-    difference of two entries' values is their NLL difference on the same tokens. A paired
-    bootstrap over blocks gives the interval; with 4 windows of 8K tokens that is 64 blocks of 512
-    tokens instead of 4 windows, on the assumption that NLL differences of blocks 512 tokens apart
-    are close to independent (the per-window means are reported too, to check).
+    The unit is the window: per window, the two entries' NLL difference per token on the same
+    tokens; their mean with a paired t interval, the paired t p-value and the exact sign-flip
+    p-value (``kvq_eval.stats.paired_test``). Blocks inside a window are not units: their spread
+    understates the spread between windows.
 
     Returns
     -------
     dict
-        ``{tokens: {"windows", "blocks", "dnll", "ci", "p", "ratio_pct", "window_dnll"}}``: mean NLL
-        difference ``a - b`` in nats per token with its 95 % interval and bootstrap p, the same as a
-        perplexity ratio ``100 (exp(dnll) - 1)`` %, and the per-window differences.
+        ``{tokens: {"windows", "dnll", "ci", "p_t", "p_signflip", "ratio_pct", "window_dnll"}}``: mean
+        NLL difference ``a - b`` in nats per token with its 95 % t interval and p-values, the same as
+        a perplexity ratio ``100 (exp(dnll) - 1)`` %, and the per-window differences.
     """
     _check_pair(a, b)
     ppl = res["ppl"]
-    return {t: _paired_blocks(ppl[a][t]["windows"], ppl[b][t]["windows"], f"{a!r} and {b!r} at {t} tokens")
+    return {t: _paired_windows(ppl[a][t]["windows"], ppl[b][t]["windows"], f"{a!r} and {b!r} at {t} tokens")
             for t in sorted(set(ppl.get(a, {})) & set(ppl.get(b, {})))}
 
 
 def paired_decode(res: dict, a: str, b: str) -> dict:
     """``paired_ppl`` for the long-decode cells: entry ``a`` against ``b`` on the generated tokens
-    of the windows both decoded, per (prefix, new tokens) setting; the blocks are the cells'
-    position bins of the generated tokens (32 tokens each for 512)."""
+    of the windows both decoded, per (prefix, new tokens) setting, the window the unit."""
     _check_pair(a, b)
     dec = res["decode"]
-    return {k: _paired_blocks(dec[a][k]["windows"], dec[b][k]["windows"], f"{a!r} and {b!r} decoding {k}")
+    return {k: _paired_windows(dec[a][k]["windows"], dec[b][k]["windows"], f"{a!r} and {b!r} decoding {k}")
             for k in sorted(set(dec.get(a, {})) & set(dec.get(b, {})))}
 
 
@@ -220,8 +254,7 @@ def decode_summary(res: dict) -> dict:
     """{entry: {(prefix, new_tokens): {"windows", "tokens", "dppl", "ci", "kl", "top1", "bits", "prefill"}}}.
 
     Over the generated tokens of every window: the perplexity change against fp32's full forward
-    with a bootstrap interval over (window, position bin) blocks (a decode cell holds few windows),
-    KL per token and top-1 agreement. fp32's own row measures incremental decoding against one
+    with a t interval over windows (None with one window), KL per token and top-1 agreement. fp32's own row measures incremental decoding against one
     full forward: its floor.
     """
     out = {}
@@ -229,12 +262,9 @@ def decode_summary(res: dict) -> dict:
         for k, row in by.items():
             w = row["windows"]
             n = sum(x["n"] for x in w)
-            blocks = np.concatenate([x["dnll_bins"] for x in w])
-            lo, hi = bootstrap_mean_ci(blocks)
-            pct = lambda x: 100.0 * math.expm1(x)  # noqa: E731
             out.setdefault(entry, {})[k] = {
-                "windows": len(w), "tokens": n, "dppl": pct(sum(x["nll_q"] - x["nll_f"] for x in w) / n),
-                "ci": (pct(lo), pct(hi)), "kl": sum(x["kl"] for x in w) / n, "top1": sum(x["top1"] for x in w) / n,
+                "windows": len(w), "tokens": n, "dppl": _pct(sum(x["nll_q"] - x["nll_f"] for x in w) / n),
+                "ci": _window_ci(_window_dnll(w)), "kl": sum(x["kl"] for x in w) / n, "top1": sum(x["top1"] for x in w) / n,
                 "bits": float(np.mean([x.get("bits_per_element", 32.0) for x in w])), "prefill": row["prefill"]}
     return out
 
@@ -244,39 +274,48 @@ def decode_table(res: dict) -> str:
     dec = decode_summary(res)
     if not dec:
         raise ValueError("no decode cells (run kvq-eval run --tasks decode)")
-    head = ["entry", "prefill", "prefix + new", "bits", "Δppl [95% CI] (windows)", "KL", "top-1"]
+    head = ["entry", "prefill", "prefix + new", "bits", "Δppl [95% t-CI] (windows)", "KL", "top-1"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     rows = [(e, k, r) for e, by in dec.items() for k, r in by.items()]
     for e, (pre, new), r in sorted(rows, key=lambda x: (x[0] != "fp32", x[2]["bits"], x[0], x[1])):
-        lines.append(f"| {e} | {r['prefill']} | {pre} + {new} | {r['bits']:.2f} | {r['dppl']:+.2f}% "
-                     f"[{r['ci'][0]:+.2f}, {r['ci'][1]:+.2f}] ({r['windows']}) | {r['kl']:.4f} | {r['top1']:.3f} |")
+        lines.append(f"| {e} | {r['prefill']} | {pre} + {new} | {r['bits']:.2f} | {r['dppl']:+.2f}%"
+                     f"{_ci(r['ci'], '+.2f')} ({r['windows']}) | {r['kl']:.4f} | {r['top1']:.3f} |")
     return "\n".join(lines)
 
 
 def ppl_comparison_table(cmp: dict, a: str, b: str) -> str:
     """``paired_ppl`` (or ``paired_decode``) as a Markdown table, one row per window length (or
     decode setting)."""
-    head = ["window", "windows", "blocks", f"Δ NLL {a} − {b} (nats/token) [95% CI]", "ppl ratio", "bootstrap p",
-            "per window"]
+    head = ["window", "windows", f"Δ NLL {a} − {b} (nats/token) [95% t-CI]", "ppl ratio", "paired t p",
+            "sign-flip p", "per window"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for t, r in cmp.items():
         per = ", ".join(f"{x:+.4f}" for x in r["window_dnll"])
         label = _ctx(t) if isinstance(t, int) else f"decode {t[0]} + {t[1]}"
-        lines.append(f"| {label} | {r['windows']} | {r['blocks']} | {r['dnll']:+.4f} [{r['ci'][0]:+.4f}, "
-                     f"{r['ci'][1]:+.4f}] | {r['ratio_pct']:+.2f}% | {r['p']:.3g} | {per} |")
+        lines.append(f"| {label} | {r['windows']} | {r['dnll']:+.4f}{_ci(r['ci'], '+.4f')} | {r['ratio_pct']:+.2f}% | "
+                     f"{r['p_t']:.3g} | {r['p_signflip']:.3g} | {per} |")
     return "\n".join(lines)
 
 
 def comparison_table(cmp: dict, a: str, b: str) -> str:
     """``paired_comparison`` as a Markdown table, one row per context."""
     head = ["context", "samples", f"only {a} exact", f"only {b} exact", "both", "neither", "McNemar p",
-            f"Δ log-prob {a} − {b} [95% CI]", "bootstrap p"]
+            f"Δ log-prob {a} − {b} [95% t-CI]", "paired t p", "sign-flip p"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for ctx, r in cmp.items():
         lines.append(f"| {ctx} | {r['n']} | {r['a_only']} | {r['b_only']} | {r['both']} | {r['neither']} | "
-                     f"{r['p_mcnemar']:.3g} | {r['dlogprob']:+.2f} [{r['ci'][0]:+.2f}, {r['ci'][1]:+.2f}] | "
-                     f"{r['p_bootstrap']:.3g} |")
+                     f"{r['p_mcnemar']:.3g} | {r['dlogprob']:+.2f}{_ci(r['ci'], '+.2f')} | {_p(r['p_t'])} | "
+                     f"{_p(r['p_signflip'])} |")
     return "\n".join(lines)
+
+
+def _ci(ci, fmt: str) -> str:
+    """`` [lo, hi]`` of an interval, or nothing where there is none (fewer than ``MIN_UNITS`` units)."""
+    return "" if ci is None else f" [{ci[0]:{fmt}}, {ci[1]:{fmt}}]"
+
+
+def _p(p) -> str:
+    return "–" if p is None else f"{p:.3g}"
 
 
 def _ctx(c: int) -> str:
@@ -285,7 +324,7 @@ def _ctx(c: int) -> str:
 
 def markdown_table(res: dict, variant: str | None = None) -> str:
     """One row per entry (fp32 first, then by stored bits): perplexity change per window length with
-    its bootstrap interval and pair-weighted stored bits; per needle context the stored bits of the
+    its t interval over windows and pair-weighted stored bits; per needle context the stored bits of the
     decoding cache (mean over samples), exact match with its Wilson interval and the
     log-probability change against fp32 (``variant`` restricts the needle samples to one variant)."""
     pp = ppl_summary(res)
@@ -295,9 +334,9 @@ def markdown_table(res: dict, variant: str | None = None) -> str:
     contexts = sorted({c for by in nh.values() for c in by})
     head = ["entry"]
     for t in lengths:
-        head += [f"bits @{_ctx(t)}", f"Δppl {_ctx(t)} [95% CI] (windows)", f"KL {_ctx(t)}"]
+        head += [f"bits @{_ctx(t)}", f"Δppl {_ctx(t)} [95% t-CI] (windows)", f"KL {_ctx(t)}"]
     for c in contexts:
-        head += [f"cache bits {_ctx(c)}", f"exact {_ctx(c)} [95% CI] (n)", f"Δlog-prob {_ctx(c)} [95% CI]"]
+        head += [f"cache bits {_ctx(c)}", f"exact {_ctx(c)} [Wilson 95%] (n)", f"Δlog-prob {_ctx(c)} [95% t-CI]"]
     entries = sorted(set(pp) | set(nh), key=lambda e: (e != "fp32", _bits_key(e, pp, nh), e))
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for e in entries:
@@ -305,7 +344,7 @@ def markdown_table(res: dict, variant: str | None = None) -> str:
         for t in lengths:
             p = pp.get(e, {}).get(t)
             row += (["–"] * 3 if p is None else
-                    [f"{p['bits']:.2f}", f"{p['dppl']:+.2f}% [{p['ci'][0]:+.2f}, {p['ci'][1]:+.2f}] ({p['windows']})",
+                    [f"{p['bits']:.2f}", f"{p['dppl']:+.2f}%{_ci(p['ci'], '+.2f')} ({p['windows']})",
                      f"{p['kl']:.4f}"])
         for c in contexts:
             x = nh.get(e, {}).get(c)
@@ -331,7 +370,7 @@ def figures(res: dict, model: str, variant: str = "single") -> dict:
     """``{"quality_vs_bits": Figure}``: against the stored bits as the cache holds them, with
     interval bars, three panels: perplexity change (per window length), needle exact match (Wilson
     interval) and the answer's log-probability change against fp32 on the same samples (paired
-    bootstrap interval), both per context and for the needle ``variant`` only (neither is
+    t interval), both per context and for the needle ``variant`` only (neither is
     comparable across variants, and a pooled point would mix samples of different difficulty).
 
     The log-probability panel is the one that separates methods where exact match saturates (the
@@ -349,13 +388,15 @@ def figures(res: dict, model: str, variant: str = "single") -> dict:
         pts = [(e, by[t]) for e, by in sorted(pp.items()) if t in by]
         x = [p["bits"] for _, p in pts]
         y = [p["dppl"] for _, p in pts]
-        err = np.array([[p["dppl"] - p["ci"][0], p["ci"][1] - p["dppl"]] for _, p in pts]).T
+        # a point without an interval (one window) gets no bar
+        err = np.array([[0.0, 0.0] if p["ci"] is None else [p["dppl"] - p["ci"][0], p["ci"][1] - p["dppl"]]
+                        for _, p in pts]).T
         ax1.errorbar(x, y, yerr=err, fmt="o", ms=4, capsize=2, label=f"{_ctx(t)} windows")
         for (e, _), xi, yi in zip(pts, x, y):
             ax1.annotate(e, (xi, yi), fontsize=6, xytext=(3, 3), textcoords="offset points")
     ax1.set_yscale("symlog", linthresh=1.0)
     ax1.set_xlabel("stored bits per element (band and tables included, pair-weighted)")
-    ax1.set_ylabel("perplexity change vs fp32 (%)")
+    ax1.set_ylabel("perplexity change vs fp32 (%)\n(t 95% CI over windows)")
     ax1.grid(True, alpha=0.3)
     if pp:
         ax1.legend(fontsize=8)
@@ -391,7 +432,7 @@ def figures(res: dict, model: str, variant: str = "single") -> dict:
     ax3.axhline(0.0, lw=0.8, ls="--", color="gray")
     ax3.set_yscale("symlog", linthresh=1.0)
     ax3.set_xlabel("stored bits per element of the needle cache")
-    ax3.set_ylabel(f"{variant} needle: answer log-prob vs fp32\n(nats, paired bootstrap 95% CI)")
+    ax3.set_ylabel(f"{variant} needle: answer log-prob vs fp32\n(nats, paired t 95% CI)")
     ax3.grid(True, alpha=0.3)
     if ax3.containers:
         ax3.legend(fontsize=8)

@@ -1,25 +1,24 @@
-"""Refresh the README's evaluation tables from the committed JSON (``kvq-eval readme``).
+"""Refresh the generated tables of Markdown files from the committed JSON (``kvq-eval readme``).
 
-The README's evaluation section (from its ``**Status.**`` paragraph to ``**The v1 results**``)
-quotes three kinds of ``kvq-eval`` output, and this module recomputes each from the results folder,
-so that a new result cell never leaves a stale number behind:
+A generated table follows a marker line (a blank line between them is allowed) and is rebuilt from
+the results folder, so that a new result cell never leaves a stale number behind; the prose and
+every unmarked table are left as they are. Markers:
 
-- a summary table (first column ``entry``) right after a marker line
-  ``<!-- kvq-eval table MODEL [VARIANT] [all|filled] -->`` (``VARIANT`` is ``single``,
-  ``multiquery``, ``decode`` or ``-`` for every needle variant). The README's header is kept (a
-  table may show a subset of ``kvq-eval table``'s columns) and every row is recomputed from the row
-  of its entry; with ``all`` the rows are every entry ``kvq-eval table`` prints, in its order, so a
-  new entry appears by itself; ``filled`` is ``all`` less the rows that are "–" in every column the
-  README shows (a needle table then gains a method's row with its first needle cell, and is not
-  padded with entries that only have perplexity cells);
-- a paired needle table (first column ``context``) under a line naming "`A` against `B`": the
-  ``kvq-eval compare A B --variant single`` table of SmolLM2;
-- a paired 8K perplexity table (first column ``A − B at 8K``, or ``A − B at 8K (Gemma-3)``): each
-  row "A − B ..." from the 8K row of ``kvq-eval compare A B`` (Δ NLL with its interval, ratio, p,
-  per-window differences; written with "−" and "1.2 %" as the prose does).
+- ``<!-- kvq-eval table MODEL [VARIANT] [all|filled] -->``: rows of ``kvq-eval table`` (``VARIANT``
+  ``single``, ``multiquery``, ``decode``, or ``-`` for every needle variant). The file's header is
+  kept (a table may show a subset of the columns) and each row is recomputed from its entry; with
+  ``all`` the rows are every entry, in ``kvq-eval table``'s order, and ``filled`` drops the rows that
+  are "–" in every shown column;
+- ``<!-- kvq-eval compare MODEL A B ppl -->``: ``kvq-eval compare``'s paired perplexity table (one
+  row per window length), and ``<!-- kvq-eval compare MODEL A B needles [VARIANT] -->`` its paired
+  needle table (``single`` by default);
+- ``<!-- kvq-eval recommend MODEL -->``: ``kvq-eval recommend`` (``kvq_eval.recommend``);
+- ``<!-- kvq-eval overlap MODEL CTX[,CTX...] -->``: how much haystack filler the grid's 30 needle
+  samples of each context share (``niah.filler_overlap`` with the model's tokenizer, single needle,
+  the grid's depths and samples).
 
-Anything the JSON cannot give (an entry without results, a column ``kvq-eval table`` does not
-print) raises ``ValueError`` naming it; the README is then left as it was.
+Anything the JSON cannot give (an entry without results, a column the command does not print) raises
+``ValueError`` naming the file and line; the file is then left as it was.
 """
 
 from __future__ import annotations
@@ -30,26 +29,25 @@ from pathlib import Path
 
 from .plot import (comparison_table, decode_table, load_results, markdown_table, paired_comparison, paired_ppl,
                    ppl_comparison_table)
+from .recommend import recommend_table
 
-__all__ = ["refresh_readme", "refresh_readme_file"]
+__all__ = ["refresh_markdown", "refresh_file"]
 
-SECTION = ("**Status.**", "**The v1 results**")
-PAIRED_8K = {"A − B at 8K": "smollm2", "A − B at 8K (Gemma-3)": "gemma3"}
 Results = Callable[[str], dict]  # model -> load_results of that model, loaded once
-_MARK = re.compile(r"^<!-- kvq-eval table (\w+)(?: (single|multiquery|decode|-))?(?: (all|filled))? -->$")
+_MARK = re.compile(r"^<!-- kvq-eval (table|compare|recommend|overlap) (.+?) -->$")
+GRID_DEPTHS, GRID_SAMPLES = (0.1, 0.3, 0.5, 0.7, 0.9), 6  # make eval's needles (30 per context)
+_TABLE = re.compile(r"^(\w+)(?: (single|multiquery|decode|-))?(?: (all|filled))?$")
+_COMPARE = re.compile(r"^(\w+) (\S+) (\S+) (ppl|needles)(?: (single|multiquery|all))?$")
 
 
 def _cells(line: str) -> list[str]:
     return [c.strip() for c in line.strip().strip("|").split("|")]
 
 
-def _row(cells: list[str]) -> str:
-    return "| " + " | ".join(cells) + " |"
-
-
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     """Markdown lines of a table: header, ``---`` line, rows."""
-    return [_row(header), "|" + "---|" * len(header)] + [_row(r) for r in rows]
+    row = lambda cells: "| " + " | ".join(cells) + " |"  # noqa: E731
+    return [row(header), "|" + "---|" * len(header)] + [row(r) for r in rows]
 
 
 def _parse(text: str) -> list[list[str]]:
@@ -57,34 +55,20 @@ def _parse(text: str) -> list[list[str]]:
     return [_cells(line) for line in text.splitlines() if line.startswith("|") and not set(line) <= set("|-: ")]
 
 
-def _blocks(lines: list[str]) -> list[tuple[int, int, str]]:
-    """(first line, end line, the last non-blank line before it) of each table in ``lines``."""
-    out, i, prev = [], 0, ""
-    while i < len(lines):
-        if lines[i].startswith("|"):
-            j = i
-            while j < len(lines) and lines[j].startswith("|"):
-                j += 1
-            out.append((i, j, prev))
-            i = j
-            continue
-        if lines[i].strip():
-            prev = lines[i]
-        i += 1
-    return out
-
-
-def _summary(results: Results, model: str, variant: str | None) -> list[list[str]]:
-    res = results(model)
-    text = decode_table(res) if variant == "decode" else markdown_table(res, variant)
-    return _parse(text)
+# the column names kvq-eval table prints for some window length or needle context (plot.markdown_table)
+_COLUMN = re.compile(r"^(bits @\w+|Δppl \w+ \[95% t-CI\] \(windows\)|KL \w+|cache bits \w+|"
+                     r"exact \w+ \[Wilson 95%\] \(n\)|Δlog-prob \w+ \[95% t-CI\])$")
 
 
 def _entry_table(old: list[list[str]], gen: list[list[str]], rows_from: str | None, where: str) -> list[str]:
     header, ghead = old[0], gen[0]
     missing = [h for h in header if h not in ghead]
-    if missing:
-        raise ValueError(f"{where}: columns {missing} are not in the kvq-eval table output")
+    unknown = [h for h in missing if not _COLUMN.match(h)]
+    if unknown:
+        raise ValueError(f"{where}: columns {unknown} are not in the kvq-eval table output")
+    # a column of a window length or context that has no cell yet shows "–" in every row (pending)
+    gen = [list(r) + ["–"] * len(missing) for r in gen]
+    ghead = gen[0][:len(ghead)] + missing
     idx = [ghead.index(h) for h in header]
     by_entry: dict[str, list[list[str]]] = {}
     for r in gen[1:]:
@@ -99,7 +83,7 @@ def _entry_table(old: list[list[str]], gen: list[list[str]], rows_from: str | No
             got = by_entry.get(r[0])
             if not got:
                 raise ValueError(f"{where}: entry {r[0]!r} has no results")
-            # decode tables hold one row per (entry, setting): keep the README's row of each setting
+            # decode tables hold one row per (entry, setting): keep the file's row of each setting
             match = [g for g in got if all(g[ghead.index(h)] == v for h, v in zip(header, r)
                                            if h in ("prefill", "prefix + new"))]
             if not match:
@@ -108,59 +92,73 @@ def _entry_table(old: list[list[str]], gen: list[list[str]], rows_from: str | No
     return _table(header, [[r[i] for i in idx] for r in rows])
 
 
-def _needle_pair(results: Results, lead: str, old: list[list[str]], where: str) -> list[str]:
-    m = re.search(r"`([^`]+)` against `([^`]+)`", lead)
-    if not m:
-        raise ValueError(f"{where}: a paired needle table needs an '`A` against `B`' line above it")
-    a, b = m.groups()
-    cells = [c for c in results("smollm2")["niah"] if c["variant"] == "single"]
-    gen = _parse(comparison_table(paired_comparison(cells, a, b), a, b))
-    if gen[0] != old[0]:
-        raise ValueError(f"{where}: header {old[0]} is not kvq-eval compare's {gen[0]}")
-    return _table(gen[0], gen[1:])
-
-
-def _readme_style(v: str) -> str:
-    v = re.sub(r"(\d)%", r"\1 %", v)
-    return re.sub(r"(?<![\w.])-(?=\d)", "−", v)
-
-
-def _paired_8k(results: Results, old: list[list[str]], where: str) -> list[str]:
-    model = PAIRED_8K[old[0][0]]
-    res = results(model)
-    rows = []
-    for r in old[1:]:
-        m = re.match(r"(\S+) − (\S+)", r[0])
+def _generate(kind: str, args: str, old: list[list[str]], results: Results, where: str) -> list[str]:
+    if kind == "table":
+        m = _TABLE.match(args)
         if not m:
-            raise ValueError(f"{where}: row label is not 'A − B ...': {r[0]!r}")
-        a, b = m.groups()
-        gen = _parse(ppl_comparison_table(paired_ppl(res, a, b), a, b))
-        row = next((g for g in gen[1:] if g[0] == "8K"), None)
-        if row is None:
-            raise ValueError(f"{where}: {a} and {b} share no 8K perplexity windows")
-        rows.append([r[0]] + [_readme_style(v) for v in (row[3], row[4], row[5], row[6])])
-    return _table(old[0], rows)
+            raise ValueError(f"{where}: expected '<!-- kvq-eval table MODEL [VARIANT] [all|filled] -->'")
+        model, variant, rows_from = m.groups()
+        res = results(model)
+        text = decode_table(res) if variant == "decode" else markdown_table(res, None if variant in (None, "-") else variant)
+        return _entry_table(old, _parse(text), rows_from, where)
+    if kind == "compare":
+        m = _COMPARE.match(args)
+        if not m:
+            raise ValueError(f"{where}: expected '<!-- kvq-eval compare MODEL A B ppl|needles [VARIANT] -->'")
+        model, a, b, what, variant = m.groups()
+        res = results(model)
+        if what == "ppl":
+            cmp = paired_ppl(res, a, b)
+            if not cmp:
+                raise ValueError(f"{where}: {a} and {b} share no perplexity cell")
+            return _parse(ppl_comparison_table(cmp, a, b))
+        variant = variant or "single"
+        cells = [c for c in res["niah"] if variant == "all" or c["variant"] == variant]
+        return _parse(comparison_table(paired_comparison(cells, a, b), a, b))
+    if kind == "overlap":
+        m = re.fullmatch(r"(\w+) (\d+(?:,\d+)*)", args.strip())
+        if not m:
+            raise ValueError(f"{where}: expected '<!-- kvq-eval overlap MODEL CTX[,CTX...] -->'")
+        return _parse(overlap_table(m.group(1), [int(c) for c in m.group(2).split(",")]))
+    model = args.strip()
+    if not re.fullmatch(r"\w+", model):
+        raise ValueError(f"{where}: expected '<!-- kvq-eval recommend MODEL -->'")
+    return _parse(recommend_table(results(model)))
 
 
-def refresh_readme(text: str, results_dir) -> str:
-    """``text`` (a README) with every evaluation table recomputed from ``results_dir``.
+def overlap_table(model: str, contexts) -> str:
+    """``niah.filler_overlap`` of the grid's single-needle samples per context, as Markdown."""
+    from .models import load_tokenizer
+    from .niah import filler_overlap
+
+    tok = load_tokenizer(model)
+    head = ["context", "haystack (sentences)", "prompts", "prompts per filler sentence (mean, max)",
+            "shared filler between two prompts (mean, max)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for c in contexts:
+        o = filler_overlap(tok, "single", c, GRID_DEPTHS, GRID_SAMPLES)
+        lines.append(f"| {c} | {o['haystack']} ({o['haystack_sentences']}) | {o['prompts']} | {o['mean_uses']:.2f}, "
+                     f"{o['max_uses']} | {100 * o['pair_overlap']:.1f} %, {100 * o['max_pair_overlap']:.1f} % |")
+    return "\n".join(lines)
+
+
+def refresh_markdown(text: str, results_dir, name: str = "README.md") -> str:
+    """``text`` with every marked table (module docstring) rebuilt from ``results_dir``.
 
     Parameters
     ----------
     text : str
-        The README, holding the section from ``**Status.**`` to ``**The v1 results**``.
+        A Markdown file's content.
     results_dir : str or Path
-        The results folder (``results/eval_v2``), one subfolder per model.
+        The results folder (``results/eval_v3``), one subfolder per model.
+    name : str
+        The file's name, for error messages.
 
     Returns
     -------
     str
-        The README with the tables of that section replaced; the prose is untouched.
+        The text with its marked tables replaced; everything else untouched.
     """
-    try:
-        start, end = text.index(SECTION[0]), text.index(SECTION[1])
-    except ValueError:
-        raise ValueError(f"README has no evaluation section ({SECTION[0]} ... {SECTION[1]})") from None
     cache: dict[str, dict] = {}
 
     def results(model: str) -> dict:
@@ -168,37 +166,39 @@ def refresh_readme(text: str, results_dir) -> str:
             cache[model] = load_results(str(results_dir), model)
         return cache[model]
 
-    head, body, tail = text[:start], text[start:end], text[end:]
-    lines = body.split("\n")
-    for i, j, lead in reversed(_blocks(lines)):
-        old = _parse("\n".join(lines[i:j]))
-        line_no = head.count("\n") + i + 1
-        where = f"README line {line_no}"
-        mark = _MARK.match(lead.strip())
-        if old[0][0] == "entry":
-            if not mark:
-                raise ValueError(f"{where}: an entry table needs a '<!-- kvq-eval table MODEL ... -->' line above it")
-            model, variant, rows_from = mark.groups()
-            variant = None if variant in (None, "-") else variant
-            new = _entry_table(old, _summary(results, model, variant), rows_from, where)
-        elif old[0][0] == "context":
-            new = _needle_pair(results, lead, old, where)
-        elif old[0][0] in PAIRED_8K:
-            new = _paired_8k(results, old, where)
-        else:
+    lines = text.split("\n")
+    out, i = [], 0
+    while i < len(lines):
+        line = lines[i]
+        out.append(line)
+        m = _MARK.match(line.strip())
+        i += 1
+        if not m:
             continue
-        lines[i:j] = new
-    return head + "\n".join(lines) + tail
+        where = f"{name} line {i}"
+        j = i
+        while j < len(lines) and not lines[j].strip():
+            j += 1
+        if j >= len(lines) or not lines[j].startswith("|"):
+            raise ValueError(f"{where}: a '<!-- kvq-eval {m.group(1)} -->' marker must be followed by a table")
+        k = j
+        while k < len(lines) and lines[k].startswith("|"):
+            k += 1
+        out.extend(lines[i:j])  # the blank lines between marker and table
+        rows = _generate(m.group(1), m.group(2), _parse("\n".join(lines[j:k])), results, where)
+        out.extend(_table(rows[0], rows[1:]) if m.group(1) != "table" else rows)
+        i = k
+    return "\n".join(out)
 
 
-def refresh_readme_file(path, results_dir, check: bool = False) -> bool:
-    """Refresh the README at ``path`` in place (or, with ``check``, only compare). True when it
-    changed (or, with ``check``, would change)."""
+def refresh_file(path, results_dir, check: bool = False) -> bool:
+    """Refresh the marked tables of the Markdown file at ``path`` in place (or, with ``check``, only
+    compare). True when it changed (or, with ``check``, would change)."""
     path = Path(path)
     old = path.read_text()
-    new = refresh_readme(old, results_dir)
+    new = refresh_markdown(old, results_dir, path.name)
     if new != old and not check:
-        tmp = path.with_name(path.name + ".tmp")
+        tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_text(new)
         tmp.replace(path)
     return new != old

@@ -3,11 +3,14 @@
 Tasks
 -----
 ``ppl``
-    Teacher-forced next-token prediction on held-out text (the fixture after its calibration part):
-    per window of ``T`` tokens the summed NLL of the quantized and the fp32 model, KL(fp32 || quant),
+    Teacher-forced next-token prediction on evaluation text never used for calibration: windows of
+    up to ``text.SHORT_WINDOW_MAX`` tokens spread over the ``short`` part, longer windows
+    consecutive from the start of ``heldout`` (``text.ppl_text``: the two never share text). Per
+    window of ``T`` tokens the summed NLL of the quantized and the fp32 model, KL(fp32 || quant),
     top-1 agreement and the NLL change per position bin, with the streaming semantics of ``hooks``
     (each position reads older tokens through the method, the band per ``kvq_eval.band``). Windows
-    are stored one by one so that tables bootstrap over them (``kvq_eval.stats``).
+    are stored one by one, with the sha256 of their token ids: the window is the statistical unit of
+    the tables (``kvq_eval.stats``).
 ``niah``
     One needle sample (``niah``) per cell file, one entry per (method, band, prefill mode): exact
     match of the greedy answer and the teacher-forced log-probability of the reference answer.
@@ -25,7 +28,8 @@ Tasks
 Results go to ``OUT/<model>/<task>/<cell>.json``. A run computes only what is missing; a needle
 cell gains the entries a later run adds (same sample: its keys, values and prompt length must
 match). Calibrated methods record ``calib_tokens``; an entry made with another length is
-recomputed. Every entry records its band, stored bits (``kvq_eval.accounting``) and wall time.
+recomputed. Every entry records its band, stored bits (``kvq_eval.accounting``), wall time and
+``provenance`` (protocol, code commit, threads, versions, calibration artifact digests).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import json
 import os
 import time
 import warnings
+from types import SimpleNamespace
 from pathlib import Path
 
 import numpy as np
@@ -52,12 +57,18 @@ from .hooks import SIMULATION, QuantizedCache, cache_kwargs, register, session
 from .keyopts import key_structure
 from .methods import make_spec, method_info
 from .models import cache_dir, load_model
-from .niah import VARIANTS, exact_match, make_sample
-from .text import part
+from .niah import VARIANTS, exact_match, haystack_part, make_sample
+from .provenance import PROTOCOL, environment, provenance
+from .text import part, ppl_text
 
 __all__ = ["Evaluator", "run_grid", "entry_id", "parse_entry", "POSITION_BINS", "PREFILL_MODES"]
 
 POSITION_BINS = 16
+
+
+def ids_sha256(ids) -> str:
+    """sha256 of a window's token ids as little-endian int64: what a stored window was computed on."""
+    return hashlib.sha256(np.ascontiguousarray(ids.numpy(), dtype="<i8").tobytes()).hexdigest()
 
 
 def _window_stats(ref, out, target, chunk: int = 512, head=None) -> dict:
@@ -71,6 +82,8 @@ def _window_stats(ref, out, target, chunk: int = 512, head=None) -> dict:
     """
     import torch
 
+    if target.numel() < POSITION_BINS:  # an empty position bin would be written as NaN
+        raise ValueError(f"a window scores {target.numel()} positions, fewer than the {POSITION_BINS} position bins")
     nf, nq, kl, top1 = [], [], [], 0
     for lo in range(0, target.numel(), chunk):
         r, o, tg = ref[lo:lo + chunk], out[lo:lo + chunk], target[lo:lo + chunk]
@@ -115,6 +128,13 @@ class Evaluator:
         self.tables = (calibration_tables(self.model, self.tok, model_name, length=calib_tokens)
                        if calibrate else None)
         self._rates: dict = {}
+        self.env = environment()
+
+    def provenance(self, method: str) -> dict:
+        """The record an entry of ``method`` carries (``kvq_eval.provenance``)."""
+        if method == "fp32" or not method_info(method).get("calibrated"):
+            return provenance(self.env)
+        return provenance(self.env, self.tables.digests(official=method.split(":")[0] == "nova_official"))
 
     def spec(self, method: str, band: Band | None = None):
         """The method's spec with the run's band (``None``: the method's own band)."""
@@ -146,16 +166,23 @@ class Evaluator:
         """
         spec = self.spec(method, band)
         rows = list(done)
-        for ids in token_chunks(self.tok, part("heldout"), tokens, windows)[len(rows):]:
+        text = ppl_text(tokens)
+        for ids in self.ppl_windows(tokens, windows)[len(rows):]:
             t0 = time.perf_counter()
             ref = self._reference(ids)
             with session("simulate", spec):
                 out = self._hidden(ids)
-            rows.append({**_window_stats(ref, out, ids[0, 1:], head=self._head), "seconds": time.perf_counter() - t0})
+            rows.append({**_window_stats(ref, out, ids[0, 1:], head=self._head), "ids_sha256": ids_sha256(ids),
+                         "seconds": time.perf_counter() - t0})
             if on_window is not None:
                 on_window(rows)
-        return {"method": method, "tokens": tokens, "text": "heldout", "windows": rows, "simulation": SIMULATION,
-                **self._band_record(spec, tokens)}
+        return {"method": method, "tokens": tokens, "text": text, "windows": rows, "simulation": SIMULATION,
+                "protocol": PROTOCOL, "provenance": self.provenance(method), **self._band_record(spec, tokens)}
+
+    def ppl_windows(self, tokens: int, windows: int) -> list:
+        """The token ids (1, tokens) of the perplexity windows (module docstring)."""
+        text = ppl_text(tokens)
+        return token_chunks(self.tok, part(text), tokens, windows, spread=text == "short")
 
     def _hidden(self, ids):
         """Final hidden states (T - 1, hidden) of a window: what the language-model head turns into
@@ -226,7 +253,7 @@ class Evaluator:
             rel.append(float(np.mean(errs)))
             lmse.append(float(np.mean(mses)))
         return {"method": method, "attn_rel_err": rel, "logit_mse": lmse, "key_mean_share": share,
-                "logit_snr": snr, "tokens": tokens, "queries": queries,
+                "logit_snr": snr, "tokens": tokens, "queries": queries, "provenance": self.provenance(method),
                 **self._band_record(spec, tokens)}
 
     # --- caches ---------------------------------------------------------------------------------
@@ -308,9 +335,10 @@ class Evaluator:
             else:
                 entry["bits_per_element"] = 32.0
             entry["seconds"] = time.perf_counter() - t0
+            entry["provenance"] = self.provenance(method)
             results[name] = entry
         return {"variant": variant, "context": context, "depth": depth, "sample": sample, "keys": list(s.keys),
-                "values": list(s.values), "offset": s.offset, "chat": s.chat,
+                "values": list(s.values), "offset": s.offset, "chat": s.chat, "haystack": haystack_part(context),
                 "prompt_tokens": int(doc.shape[1] + question.shape[1]), "results": results}
 
     # --- decode ---------------------------------------------------------------------------------
@@ -336,7 +364,7 @@ class Evaluator:
                 row["bits_per_element"] = cache_bits(cache, self.rates(spec)["table_bits"])
             rows.append(row)
         out = {"entry": name, "method": method, "prefill": prefill, "simulation": SIMULATION, "prefix": prefix, "new_tokens": new_tokens,
-               "windows": rows}
+               "windows": rows, "provenance": self.provenance(method)}
         if spec is not None:
             out["band"] = {"sink": spec.sink, "window": spec.window}
         return out
@@ -348,7 +376,8 @@ class Evaluator:
 def _partial_key(ev: Evaluator, unit: dict) -> dict:
     method = parse_entry(unit["entry"])[0]
     return {"entry": unit["entry"], "tokens": unit["tokens"], "windows": unit["windows"], "simulation": SIMULATION,
-            "calib_tokens": ev.calib_tokens if _calibrated(method) else None}
+            "calib_tokens": ev.calib_tokens if _calibrated(method) else None, "protocol": PROTOCOL,
+            "text": ppl_text(unit["tokens"]), "artifacts": ev.provenance(method).get("artifacts")}
 
 
 def _resume_rows(ev: Evaluator, unit: dict) -> list:
@@ -405,12 +434,14 @@ _WORKER_EVALUATORS: dict = {}
 
 
 def _worker_compute(model: str, calibrate: bool, calib_tokens: int, unit: dict, need: list[str]):
-    """A Ray task: (result, seconds); the evaluator is built once per worker process."""
+    """A Ray task: (result, seconds); the evaluator is built once per worker process. A perplexity
+    cell resumes from (and saves) its finished windows like a serial run: on a shared folder an
+    interrupted Ray run also continues where it stopped."""
     key = (model, calibrate, calib_tokens)
     if key not in _WORKER_EVALUATORS:
         _WORKER_EVALUATORS[key] = Evaluator(model, calibrate=calibrate, calib_tokens=calib_tokens)
     t0 = time.perf_counter()
-    res = compute(_WORKER_EVALUATORS[key], unit, need)
+    res = compute(_WORKER_EVALUATORS[key], unit, need, resumable=True)
     return res, time.perf_counter() - t0
 
 
@@ -420,8 +451,12 @@ def _run_ray(model, todo, calibrate, calib_tokens, address, num_gpus, show, summ
 
     started = not ray.is_initialized()
     if started:
-        ray.init(address=None if address in (None, "local") else address, ignore_reinit_error=True,
-                 log_to_driver=False)
+        try:
+            ray.init(address=None if address in (None, "local") else address, ignore_reinit_error=True,
+                     log_to_driver=False)
+        except ConnectionError as exc:
+            raise ValueError(f"--ray {address}: no Ray cluster to join ({exc}); start one with 'ray start --head' "
+                             f"or run on a local Ray instance with --ray local") from None
     try:
         task = ray.remote(num_gpus=num_gpus, num_cpus=1)(_worker_compute)
         pending = {task.remote(model, calibrate, calib_tokens, unit, need): unit for unit, need in todo}
@@ -439,11 +474,35 @@ def _run_ray(model, todo, calibrate, calib_tokens, address, num_gpus, show, summ
             ray.shutdown()
 
 
+def _reuse(model: str, todo: list, out, old, calib_tokens: int) -> dict:
+    """``reuse.reuse_cells`` with this machine's windows and calibration digests."""
+    from .calib import stored_digests, token_chunks
+    from .models import load_tokenizer
+    from .reuse import reuse_cells
+    from .text import part
+
+    tok = load_tokenizer(model)
+
+    def window_ids(tokens, count):
+        text = ppl_text(tokens)
+        return [ids_sha256(x) for x in token_chunks(tok, part(text), tokens, count, spread=text == "short")]
+
+    def digests(method):
+        return stored_digests(model, calib_tokens, official=method.split(":")[0] == "nova_official")
+
+    def artifacts(method):  # what Evaluator.provenance(method) holds, for _partial_key
+        d = digests(method) if _calibrated(method) else None
+        return {"artifacts": d} if d else {}
+
+    keyed = SimpleNamespace(calib_tokens=calib_tokens, provenance=artifacts)
+    return reuse_cells(todo, out, old, window_ids, digests, lambda unit: _partial_key(keyed, unit))
+
+
 def run_grid(model: str, methods, out, contexts=(1024,), tasks=("ppl", "niah"), variants=VARIANTS,
              depths=(0.25, 0.5, 0.75), samples: int = 10, bands=("none",), prefill=("exact",),
              ppl_windows=((1024, 8),), decode=(1024, 512, 1), calib_tokens: int = 1024,
              progress: bool | None = None, ray: str | None = None, num_gpus: float = 0.0,
-             summary: dict | None = None) -> dict:
+             summary: dict | None = None, reuse=None, reuse_only: bool = False) -> dict:
     """Run every missing cell of the grid and return a summary of what was run.
 
     Parameters
@@ -470,17 +529,31 @@ def run_grid(model: str, methods, out, contexts=(1024,), tasks=("ppl", "niah"), 
     summary : dict, optional
         Filled in place as cells finish (``cells``, ``done_before``, ``ran``), so a caller that
         is interrupted still knows what was written.
+    reuse : path, optional
+        An older results folder: what it holds of the missing cells on the same inputs is copied
+        first (``kvq_eval.reuse``; ``summary["reused"]`` counts it), the rest is computed.
+    reuse_only : bool
+        Copy what ``reuse`` holds and compute nothing (``summary["left"]``: the cells still missing).
     """
     import sys
 
     from tqdm import tqdm
 
     _check_calib_tokens(calib_tokens)
+    if reuse_only and reuse is None:
+        raise ValueError("--reuse-only needs a folder to reuse (--reuse OLD)")
     units = plan(model, methods, out, contexts, tasks, variants, depths, samples, bands, prefill,
                  ppl_windows, decode)
     todo = [(u, need) for u in units if (need := _missing(u, calib_tokens))]
     summary = {} if summary is None else summary
     summary.update(cells=len(units), done_before=len(units) - len(todo), ran=0)
+    if reuse is not None and todo:
+        summary["reused"] = _reuse(model, todo, out, reuse, calib_tokens)
+        todo = [(u, need) for u in units if (need := _missing(u, calib_tokens))]
+        summary["done_before"] = len(units) - len(todo)
+    if reuse_only:
+        summary["left"] = len(todo)
+        return summary
     if not todo:
         return summary
     calibrated = {parse_entry(e)[0] for _, need in todo for e in need} & {

@@ -8,7 +8,10 @@ Scores against encoded keys go through the method's ``prepare_query``/``scores``
 rotation-based method rotates the query once and never un-rotates keys, and an estimator-based
 method (QJL, TurboQuant_prod) contributes its unbiased estimate. Value sums go through
 ``accumulate`` (rotated-domain sums with one inverse rotation where the method has one).
-Logits are scaled by ``1/sqrt(d)`` unless ``scale`` is given; softmax is computed in float64.
+Logits are scaled by ``1/sqrt(d)`` unless ``scale`` is given (a finite number > 0); softmax is
+computed in float64. Tokens stored in float16 (the band, and the middle of a tensor without a
+method) must fit its range: a value past 65504 is refused, never stored as Inf (which turned the
+attention into NaN).
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .common import Encoded, Quantizer, as_array
+
+F16_MAX = float(np.finfo(np.float16).max)
 
 __all__ = ["QuantizedKV", "attention_decode", "attention_prefill", "exact_attention", "relative_error",
            "logit_mse", "topk_agreement"]
@@ -53,6 +58,12 @@ class QuantizedKV:
     keys: Encoded | np.ndarray | None
     values: Encoded | np.ndarray | None
 
+    def __post_init__(self):
+        for name in ("band_keys", "band_values", "keys", "values"):
+            arr = getattr(self, name)
+            if isinstance(arr, np.ndarray) and not np.all(np.isfinite(arr)):
+                raise ValueError(f"{name} holds NaN/Inf (a float16 overflow?): the attention would be NaN")
+
     @classmethod
     def build(cls, K, V, key_method: Quantizer | None, value_method: Quantizer | None,
               sink: int = 0, window: int = 0) -> "QuantizedKV":
@@ -77,13 +88,26 @@ class QuantizedKV:
         hi = max(lo, n - window)
         band = np.concatenate([np.arange(lo), np.arange(hi, n)])
 
-        def middle(x, method):
+        def f16(name, x, what):
+            with np.errstate(over="ignore"):
+                x16 = x.astype(np.float16)
+            big = np.isinf(x16)
+            if big.any():
+                t = int(np.argwhere(big)[0][0])
+                raise ValueError(f"{name}: {what} are kept in float16, but {int(big.sum())} value(s) exceed its range "
+                                 f"(max {F16_MAX:g}; first in row {t}): scale the input or encode those tokens")
+            return x16
+
+        def middle(name, x, method):
             if hi == lo:
                 return None
-            return method.encode(x[lo:hi]) if method is not None else x[lo:hi].astype(np.float16)
+            if method is not None:
+                return method.encode(x[lo:hi])
+            return f16(name, x[lo:hi], "the middle tokens (no method)")
 
-        return cls(n, d, lo, n - hi, K[band].astype(np.float16), V[band].astype(np.float16),
-                   key_method, value_method, middle(K, key_method), middle(V, value_method))
+        what = f"the band tokens (first {lo}, last {n - hi})"
+        return cls(n, d, lo, n - hi, f16("K", K[band], what), f16("V", V[band], what),
+                   key_method, value_method, middle("K", K, key_method), middle("V", V, value_method))
 
     @property
     def middle(self) -> slice:
@@ -140,6 +164,16 @@ class QuantizedKV:
         return out
 
 
+def _scale(scale, d: int) -> float:
+    """The logit scale: ``1/sqrt(d)`` for None, else a finite real number > 0 (not a bool)."""
+    if scale is None:
+        return 1.0 / math.sqrt(d)
+    if isinstance(scale, bool | np.bool_) or not isinstance(scale, int | float | np.integer | np.floating) \
+            or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be a finite number > 0 (or None for 1/sqrt(d)), got {scale!r}")
+    return float(scale)
+
+
 def _softmax_rows(z: np.ndarray) -> np.ndarray:
     z = z - np.max(z, axis=-1, keepdims=True)
     e = np.exp(z)
@@ -155,7 +189,7 @@ def attention_decode(q, cache: QuantizedKV, scale: float | None = None) -> np.nd
     """
     q = as_array("q", q, dim=cache.d)
     q2 = q.reshape(-1, cache.d)
-    s = (1.0 / math.sqrt(cache.d)) if scale is None else scale
+    s = _scale(scale, cache.d)
     p = _softmax_rows(cache.logits(q2) * s)
     return cache.weighted_values(p).reshape(q.shape)
 
@@ -177,7 +211,7 @@ def attention_prefill(Q, cache: QuantizedKV, scale: float | None = None, causal:
     if nq > cache.n:
         raise ValueError(f"Q has {nq} positions but the cache holds {cache.n} tokens")
     flat = Q.reshape(-1, cache.d)
-    s = (1.0 / math.sqrt(cache.d)) if scale is None else scale
+    s = _scale(scale, cache.d)
     z = cache.logits(flat) * s
     if causal:
         pos = np.tile(np.arange(cache.n - nq, cache.n), flat.shape[0] // nq)
@@ -195,7 +229,7 @@ def exact_attention(Q, K, V, scale: float | None = None, causal: bool = True) ->
     Q = as_array("Q", Q, dim=K.shape[-1], min_ndim=2)
     n, d = K.shape
     nq = Q.shape[-2]
-    s = (1.0 / math.sqrt(d)) if scale is None else scale
+    s = _scale(scale, d)
     z = (Q @ K.T) * s
     if causal:
         z = np.where(np.arange(n)[None, :] <= np.arange(n - nq, n)[:, None], z, -np.inf)

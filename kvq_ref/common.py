@@ -143,8 +143,10 @@ def row_norms(x):
     return out
 
 
-def as_array(name: str, x, dim: int | None = None, min_ndim: int = 1) -> np.ndarray:
+def as_array(name: str, x, dim: int | None = None, min_ndim: int = 1, finite: bool = True) -> np.ndarray:
     """``x`` (numpy or torch, any real float dtype) as a float64 numpy array, checked.
+
+    ``finite=False`` lets NaN/Inf through (only where a method defines their result).
 
     Raises
     ------
@@ -165,8 +167,9 @@ def as_array(name: str, x, dim: int | None = None, min_ndim: int = 1) -> np.ndar
         raise ValueError(f"{name} must have at least {min_ndim} dimension(s), got shape {arr.shape}")
     if dim is not None and arr.shape[-1] != dim:
         raise ValueError(f"{name} must have last dimension {dim}, got shape {arr.shape}")
-    arr = arr.astype(np.float64)
-    if not np.all(np.isfinite(arr)):
+    with np.errstate(invalid="ignore"):  # a signalling NaN is quieted (then refused unless finite=False)
+        arr = arr.astype(np.float64)
+    if finite and not np.all(np.isfinite(arr)):
         raise ValueError(f"{name} contains NaN or Inf ({int(np.count_nonzero(~np.isfinite(arr)))} values)")
     return arr
 
@@ -223,7 +226,10 @@ def _rule_decode(fn):
             return np.zeros(enc.shape, np.float32)
         with np.errstate(over="ignore"):
             out = fn(self, enc)
-        if not np.all(np.isfinite(out)):
+        bad = ~np.all(np.isfinite(out.reshape(_rows(enc.shape), -1)), axis=1)
+        if bad.any() and hasattr(self, "nonfinite_rows"):  # rows whose stored format defines NaN/Inf
+            bad &= ~self.nonfinite_rows(enc)
+        if bad.any():
             raise ValueError(f"{self.name} reconstruction overflows float32 (max {np.finfo(np.float32).max:g}): "
                              "the encoded values or scales are out of range")
         return out
@@ -357,11 +363,28 @@ class Quantizer(ABC):
         Returns
         -------
         ndarray, float64, shape ``q.shape[:-1] + enc.shape[:-1]``
+
+        Raises
+        ------
+        ValueError
+            A score beyond the float64 range.
+
+        Notes
+        -----
+        Scores are linear in q: q is scaled by a power of two to ``max |q| < 1`` (exact) and the
+        scores scaled back, so intermediate sums (a rotation of q, a sketch) cannot overflow where
+        the scores themselves are finite (queries near 1e307 gave NaN before).
         """
         self._check(enc)
         d = enc.shape[-1]
         qa = as_array("q", q, dim=d)
-        s = self.scores(self.prepare_query(qa.reshape(-1, d)), enc)
+        top = float(np.max(np.abs(qa))) if qa.size else 0.0
+        e = math.frexp(top)[1] if top > 0 else 0
+        s = self.scores(self.prepare_query(np.ldexp(qa.reshape(-1, d), -e)), enc)
+        with np.errstate(over="ignore"):
+            s = np.ldexp(s, e)
+        if not np.all(np.isfinite(s)):
+            raise ValueError(f"q: {int(np.sum(~np.isfinite(s)))} score(s) exceed the float64 range (max |q| {top:.3g})")
         return s.reshape(qa.shape[:-1] + tuple(enc.shape[:-1]))
 
 

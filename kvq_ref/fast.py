@@ -141,7 +141,7 @@ def encode_fast(q: TurboQuantMSE, x) -> Encoded:
     _encode(flat, rot.signs1, rot.perm, rot.signs2, rot.block, padded, lo, inv_width, first,
             q.table.levels, q.bits, q.norm_correction, codes, scale)
     lead = arr.shape[:-1]
-    return q._make(arr.shape, {"codes": codes.reshape(lead + (-1,)),
+    return q._make(arr.shape, {"codes": codes.reshape(lead + codes.shape[1:]),  # (-1,) fails on zero rows
                                "norms": to_fp("norms", scale, fp_dtype(q.norm_dtype)).reshape(lead)})
 
 

@@ -2,11 +2,13 @@
 
 Notes
 -----
-The format is that of ``../shared/interop/README.md``: ``<DIR>/<method>/golden.json`` =
+The format is the interop golden format (``docs/fidelity.md``; ``tests/interop/data/README.md``): ``<DIR>/<method>/golden.json`` =
 ``{method, source, variant, seed, shared?, cases: [{id, family, params, inputs, outputs, notes}]}``,
-every array ``{dtype, shape, b64}`` (base64 of the little-endian bytes in C order), and
-``facts.json`` naming the generator and the rules (the module Notes of ``kvq_ref.official``,
-``kvq_ref.kivi``, ``kvq_ref.nova``, ``kvq_ref.quarot``, ``kvq_ref.qjl``). The families, field names
+every array ``{dtype, shape, b64}`` (base64 of the little-endian bytes in C order), and a complete
+``facts.json``: the generator and command, the official source the rules reproduce, settings,
+arithmetic, rules, what is not covered, the cases, every field and the tolerance
+(``kvq_ref/data/golden_facts.json``; the rules are those the module Notes of ``kvq_ref.official``,
+``kvq_ref.kivi``, ``kvq_ref.nova``, ``kvq_ref.quarot`` and ``kvq_ref.qjl`` implement). The families, field names
 and shapes are those of the official golden sets, so an implementation elsewhere (C, CUDA, Rust) can
 test itself against either without Python, and ``tests/interop`` reads both. The outputs are
 kvq_ref's (the rules that reproduce the official code). Inputs are seeded: the same ``seed`` gives
@@ -33,14 +35,14 @@ from codebooks._version import __version__
 from codebooks.transforms import oscar_rotation
 
 from .kivi import KIVI
-from .official import (QUAROT_RANGE_FLOOR, clip_index, dequant_f16, dequant_kernel, minmax_f16, oscar_dequantize,
+from .official import (QUAROT_RANGE_FLOOR, bf16_matmul, clip_index, dequant_f16, dequant_kernel, minmax_f16, oscar_dequantize,
                        oscar_quantize, oscar_threshold, pack_strided, quarot_fakequant_k, quarot_fakequant_v, to_bf16)
 from .packing import pack_codes
 from .qjl import official_estimate, official_sketch
 from .quarot import QuaRot
 from .sketch import sketch_matrix
 
-__all__ = ["METHODS", "encode_array", "golden", "write_golden", "main"]
+__all__ = ["METHODS", "encode_array", "golden", "facts", "write_golden", "main"]
 
 METHODS = ("kivi", "oscar", "quarot", "qjl")
 _DTYPES = {np.dtype(t): t for t in ("float16", "float32", "float64", "int8", "uint8", "int32")}
@@ -152,7 +154,7 @@ def _oscar(rng, d=128):
     cases = []
     for role, ratio in (("key", 0.96), ("value", 0.92)):
         x = to_bf16(_keys_like(rng, 40, d, np.float32))
-        y = to_bf16(to_bf16(x).astype(np.float64) @ to_bf16(R32).astype(np.float64))
+        y = bf16_matmul(x, R32)
         p = {"role": role, "clip_ratio": ratio, "head_dim": d, "group_size": d}
         cases.append(_case(f"rotated-{role}", "rotated", {**p, "rows": 40}, {"x_bf16_as_f32": x},
                            {**_oscar_outputs(y, ratio, d), "y_bf16_as_f32": y}, "y = bf16(x_bf16 @ bf16(R))"))
@@ -227,6 +229,8 @@ def _qjl(rng, d=128):
 
 
 _MAKERS = {"kivi": _kivi, "oscar": _oscar, "quarot": _quarot, "qjl": _qjl}
+#: per method: the official source, settings, arithmetic, rules, golden cases and fields, tolerance
+FACTS_FILE = Path(__file__).resolve().parent / "data" / "golden_facts.json"
 
 
 def golden(method: str, seed: int = 0) -> tuple[dict, dict]:
@@ -241,19 +245,32 @@ def golden(method: str, seed: int = 0) -> tuple[dict, dict]:
     if shared:
         g["shared"] = shared
     g["cases"] = cases
-    facts = {"method": method, "source": {"generator": source, "rules": f"module Notes of kvq_ref.official and "
-                                          f"kvq_ref.{ {'oscar': 'nova'}.get(method, method)}"},
-             "golden_format": "as ../shared/interop/README.md: arrays {dtype, shape, b64} of little-endian C-order bytes",
-             "tolerance": "as the official facts.json of the same method"}
-    return _tree(g), facts
+    return _tree(g), facts(method, seed)
+
+
+def facts(method: str, seed: int = 0) -> dict:
+    """The facts.json of ``method``'s golden file: generator, the official source the rules reproduce,
+    settings, arithmetic, rules, cases, fields and tolerance (``kvq_ref/data/golden_facts.json``)."""
+    if method not in _MAKERS:
+        raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    data = json.loads(FACTS_FILE.read_text(encoding="utf-8"))
+    entry = data["methods"][method]
+    module = {"oscar": "nova"}.get(method, method)
+    source = {"generator": f"kvq_ref {__version__} (kvq_ref.golden)",
+              "command": f"kvq-codebooks golden --method {method} --seed {seed}", "seed": seed,
+              "outputs": f"kvq_ref's, by the rules below (kvq_ref.official and kvq_ref.{module}), which reproduce "
+                         "the official code bit for bit on its own golden files",
+              "reproduces": entry["reproduces"]}
+    return {"method": method, "source": source, "golden_format": data["golden_format"],
+            **{k: v for k, v in entry.items() if k != "reproduces"}}
 
 
 def write_golden(method: str, out, seed: int = 0) -> Path:
     """Write ``<out>/<method>/golden.json`` and ``facts.json``; returns the folder (deterministic bytes)."""
-    g, facts = golden(method, seed)
+    g, fx = golden(method, seed)
     folder = Path(out) / method
     folder.mkdir(parents=True, exist_ok=True)
-    for name, obj in (("golden.json", g), ("facts.json", facts)):
+    for name, obj in (("golden.json", g), ("facts.json", fx)):
         (folder / name).write_text(json.dumps(obj, indent=1, sort_keys=False) + "\n", encoding="utf-8")
     return folder
 

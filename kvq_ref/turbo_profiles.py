@@ -34,6 +34,10 @@ revision of the llama.cpp TurboQuant fork is a new record in ``kvq_ref/data/turb
     tiny_norm     decimal: a norm (and the norm of the reconstruction) not above it counts as zero
     rotation_scale  decimal, float32 arithmetic only: the fork's float32 1/sqrt(block) constant
                   (within one float32 ulp of 1/sqrt(block))
+    zero_unit     optional, float32 arithmetic only: formats whose unit vector is set to 0 when the
+                  norm is not above tiny_norm (the fork's turbo4 memsets it); the others compute
+                  ``x * 0``. The two differ only for NaN input (``TurboBlock(overflow="fork")``):
+                  0 puts every index in the middle cell, NaN in the last
 
 Every record is validated when loaded; bad data raises one ``ValueError`` naming the profile and
 the field. ``TurboProfile.to_dict`` writes a record ``from_dict`` reads back to an equal profile.
@@ -63,7 +67,7 @@ DEFAULT_PROFILE = "fork@69d8e4be"
 PROFILES_FILE = Path(__file__).resolve().parent / "data" / "turbo_profiles.json"
 _F16 = np.dtype("<f2")
 _KEYS = {"name", "base", "revision", "date", "source", "description", "layouts", "signs", "tables",
-         "arithmetic", "tie", "tiny_norm", "rotation_scale"}
+         "arithmetic", "tie", "tiny_norm", "rotation_scale", "zero_unit"}
 
 
 def parse_f32(text: str) -> np.float32:
@@ -188,6 +192,7 @@ class TurboProfile:
     tie : {"high", "low"}
     tiny_norm : float
     rotation_scale : float or None
+    zero_unit : tuple of str
     """
 
     name: str
@@ -202,6 +207,7 @@ class TurboProfile:
     tie: str
     tiny_norm: float
     rotation_scale: float | None
+    zero_unit: tuple = ()
 
     def __post_init__(self):
         def bad(what):
@@ -233,9 +239,12 @@ class TurboProfile:
             bad(f"tie must be 'high' or 'low', got {self.tie!r}")
         if not isinstance(self.tiny_norm, float) or not math.isfinite(self.tiny_norm) or self.tiny_norm < 0:
             bad(f"tiny_norm must be a finite float >= 0, got {self.tiny_norm!r}")
+        if not isinstance(self.zero_unit, tuple) or set(self.zero_unit) - set(FORMATS):
+            bad(f"zero_unit must list formats among {sorted(FORMATS)}, got {self.zero_unit!r}")
         if self.arithmetic == "float64":
-            if self.tie != "low" or self.tiny_norm != 0.0 or self.rotation_scale is not None:
-                bad("float64 arithmetic is quantize_rotated's rule: tie 'low', tiny_norm '0', no rotation_scale")
+            if self.tie != "low" or self.tiny_norm != 0.0 or self.rotation_scale is not None or self.zero_unit:
+                bad("float64 arithmetic is quantize_rotated's rule: tie 'low', tiny_norm '0', no rotation_scale, "
+                    "no zero_unit")
         else:
             if self.rotation_scale is None:
                 bad("float32 arithmetic needs rotation_scale (the float32 1/sqrt(block))")
@@ -278,6 +287,7 @@ class TurboProfile:
                 for b, lv, th in self.tables},
             "arithmetic": self.arithmetic, "tie": self.tie, "tiny_norm": repr(self.tiny_norm),
             "rotation_scale": None if self.rotation_scale is None else repr(self.rotation_scale),
+            "zero_unit": list(self.zero_unit),
         }
 
     @property
@@ -296,7 +306,7 @@ class TurboProfile:
             if record["base"] not in (bases or {}):
                 raise ValueError(f"{where}: base {record['base']!r} is not an earlier record")
             record = {**bases[record["base"]], **{k: v for k, v in record.items() if k != "base"}}
-        missing, unknown = _KEYS - {"base"} - set(record), set(record) - _KEYS
+        missing, unknown = _KEYS - {"base", "zero_unit"} - set(record), set(record) - _KEYS
         if missing or unknown:
             raise ValueError(f"{where}: missing fields {sorted(missing)}, unknown fields {sorted(unknown)}")
         return cls(name=name, revision=record["revision"], date=record["date"], source=record["source"],
@@ -305,7 +315,14 @@ class TurboProfile:
                    arithmetic=record["arithmetic"], tie=record["tie"],
                    tiny_norm=float(_decimal(where, "tiny_norm", record["tiny_norm"], np.float64)),
                    rotation_scale=None if record["rotation_scale"] is None else
-                   float(_decimal(where, "rotation_scale", record["rotation_scale"], np.float32)))
+                   float(_decimal(where, "rotation_scale", record["rotation_scale"], np.float32)),
+                   zero_unit=_zero_unit(where, record.get("zero_unit", [])))
+
+
+def _zero_unit(where: str, data) -> tuple:
+    if not isinstance(data, list) or not all(isinstance(f, str) for f in data):
+        raise ValueError(f"{where}: zero_unit must be a list of format names")
+    return tuple(data)
 
 
 def _decimal(where: str, key: str, text, dtype):

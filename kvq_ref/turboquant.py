@@ -2,7 +2,7 @@
 
 Notes
 -----
-REFERENCE.md section 4. ``TurboQuantMSE`` stores ``||x||`` (or the norm-correction scale
+:ref:`ref-turboquant`. ``TurboQuantMSE`` stores ``||x||`` (or the norm-correction scale
 ``||x|| / ||c_hat||``) and the ``bits``-bit index of every coordinate of ``y = R x / ||x||`` in the
 exact Lloyd-Max table of SphereMarginal(d) (``codebooks``); it decodes ``R^T c[idx] * scale``.
 Queries are rotated once (``<q, x_hat> = <R q, c[idx]> * scale``) and weighted sums of values are
@@ -32,7 +32,18 @@ from .packing import pack_codes, packed_size, unpack_codes
 from .rotations import make_rotation
 from .sketch import QJLSketch
 
-__all__ = ["TurboQuantMSE", "TurboQuantProd", "TurboQuantSplit", "quantize_rotated"]
+__all__ = ["TurboQuantMSE", "TurboQuantProd", "TurboQuantSplit", "quantize_rotated", "rotated_unit"]
+
+
+def rotated_unit(flat: np.ndarray, rot) -> tuple[np.ndarray, np.ndarray]:
+    """``(||x||, y = R (x * (1/||x||)))`` of rows (N, d), float64; y = 0 for a zero row.
+
+    ``y`` is what the quantization rule compares with the thresholds (``kvq_ref.testing.tie_rows``
+    puts coordinates exactly on them).
+    """
+    norms = row_norms(flat)
+    inv = np.divide(1.0, norms, out=np.zeros_like(norms), where=norms > 0)
+    return norms, rot.apply(flat * inv[:, None])
 
 
 def quantize_rotated(flat: np.ndarray, rot, table, norm_correction: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -47,9 +58,8 @@ def quantize_rotated(flat: np.ndarray, rot, table, norm_correction: bool) -> tup
     codes : ndarray, uint8, shape (N, d)
     scale : ndarray, float64, shape (N,)
     """
-    norms = row_norms(flat)
-    inv = np.divide(1.0, norms, out=np.zeros_like(norms), where=norms > 0)
-    codes = np.searchsorted(table.thresholds, rot.apply(flat * inv[:, None]), side="left").astype(np.uint8)
+    norms, y = rotated_unit(flat, rot)
+    codes = np.searchsorted(table.thresholds, y, side="left").astype(np.uint8)
     scale = norms / row_norms(table.levels[codes]) if norm_correction else norms
     return codes, scale
 
@@ -118,6 +128,12 @@ class TurboQuantMSE(RotatedQuantizer):
         lead = tuple(shape[:-1])
         return {"codes": (lead + (packed_size(self.dim, self.bits),), np.dtype(np.uint8)),
                 "norms": (lead, fp_dtype(self.norm_dtype))}
+
+    def compared(self, x) -> tuple[np.ndarray, np.ndarray]:
+        """``(y, thresholds)``: the rotated coordinates (N, d) float64 that ``encode`` compares with the
+        thresholds (a coordinate equal to one takes the lower cell), for tie tests."""
+        x = as_array("x", x, dim=self.dim)
+        return rotated_unit(np.ascontiguousarray(x.reshape(-1, self.dim)), self.rot)[1], self.table.thresholds
 
     def encode(self, x) -> Encoded:
         """Encode ``x`` of shape (..., dim)."""

@@ -47,8 +47,8 @@ for level in (1, 2, 3, 4):
 # %% [markdown]
 # ## Exact tables
 # `lloyd_max` runs safeguarded Newton steps on the centroid conditions, whose Jacobian is
-# tridiagonal. It reaches the rounding floor in a handful of iterations. The REFERENCE values
-# of d·mse at d = 128 are 0.3609, 0.1160, 0.03397 and 0.009315.
+# tridiagonal. It reaches the rounding floor in a handful of iterations. The published values
+# (docs/references/quantization.md) of d·mse at d = 128 are 0.3609, 0.1160, 0.03397 and 0.009315.
 
 # %%
 for bits in range(1, 9):

@@ -72,7 +72,7 @@ print("stored:", {k: (v.dtype.name, v.shape) for k, v in enc.arrays.items()})
 
 # %% [markdown]
 # ## The turbo3 byte layout
-# REFERENCE section 5: an fp16 scale, then `qs[32]` with the low 2 bits of each 3-bit index
+# docs/references/turboquant.md (the fork's block formats): an fp16 scale, then `qs[32]` with the low 2 bits of each 3-bit index
 # (element j at bits 2·(j%4) of byte j/4), then `signs[16]` with the high bits (bit j%8 of byte
 # j/8). Total 50 bytes per 128 values, 3.125 bits per value.
 

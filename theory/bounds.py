@@ -7,7 +7,7 @@ Inner-product quantities are ``E[(<y, x> - <y, x_hat>)^2]`` for a unit ``x``.
 
 Notes
 -----
-Sources (REFERENCE.md section 3; TurboQuant, arXiv 2504.19874, Theorems 1-3):
+Sources (:ref:`ref-bounds`; TurboQuant, arXiv 2504.19874, Theorems 1-3):
 
 * Shannon lower bound for unit vectors at b bits per coordinate: ``D_mse >= 4^-b``.
 * TurboQuant_mse upper bound: ``D_mse <= (sqrt(3) pi / 2) 4^-b``; the constant is the

@@ -2,9 +2,11 @@
 
 Examples
 --------
-kvq-theory curves --dim 128 --bits 1-12 --out results/theory
-kvq-theory curves --dim 128 --bits 1-8 --out results/theory --audit mytable=levels.npy
-kvq-theory plot results/theory/*.json -o results/theory/rd.png
+::
+
+    kvq-theory curves --dim 128 --bits 1-12 --out results/theory
+    kvq-theory curves --dim 128 --bits 1-8 --out results/theory --audit mytable=levels.npy
+    kvq-theory plot results/theory/*.json -o results/theory/rd.png
 """
 
 from __future__ import annotations

@@ -183,7 +183,7 @@ def norm_correction_effect(d: int, bits: int, n: int = 20000, seed: int = 0,
     -----
     After a Haar rotation the rotated unit vector ``y`` is uniform on the sphere, so it is sampled
     directly (normalised Gaussian). Plain: ``x_hat = Q(y)``; corrected: ``x_hat = Q(y) / ||Q(y)||``
-    (the stored scale ``||x|| / ||Q(y)||``; REFERENCE.md section 4). Both use the same samples.
+    (the stored scale ``||x|| / ||Q(y)||``; :ref:`ref-turboquant`). Both use the same samples.
     """
     d = check_int("d", d, lo=2)
     bits = check_int("bits", bits, 1, 12)

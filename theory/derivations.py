@@ -37,7 +37,7 @@ def sphere_second_moment_identity(exponent=k):
     """``x^2 (1-x^2)^k - [(1-x^2)^k - (1-x^2)^(k+1)]``, which is identically 0.
 
     With it the second cell moment of the sphere marginal is two incomplete-beta terms
-    (REFERENCE.md section 1); its one-sided form is the Beta(3/2, (d-1)/2) law of X^2.
+    (:ref:`ref-sphere-density`); its one-sided form is the Beta(3/2, (d-1)/2) law of X^2.
     """
     return x**2 * (1 - x**2) ** exponent - ((1 - x**2) ** exponent - (1 - x**2) ** (exponent + 1))
 
@@ -83,7 +83,7 @@ def polar_angle_density(level: int):
     """PolarQuant's level-l angle density from the Beta(m/2, m/2) law of sin^2 psi, m = 2^(l-1).
 
     ``u = sin^2 psi`` has density ``u^(m/2-1) (1-u)^(m/2-1) / B(m/2, m/2)`` and ``du = sin(2 psi)
-    dpsi``; the result should equal REFERENCE.md's
+    dpsi``; the result should equal :ref:`ref-polarquant`'s
     ``Gamma(m) / (2^(m-2) Gamma(m/2)^2) sin^(m-1)(2 psi)``.
 
     Returns

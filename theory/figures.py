@@ -19,7 +19,7 @@ def capped_lloyd(density: Density, bits: int, iterations: int = 300) -> np.ndarr
     """Levels from plain Lloyd stopped after ``iterations`` steps, as public implementations do.
 
     Starts from levels evenly spaced over +-3 std (clipped into the support) and moves each level to
-    its cell's centroid (closed-form cell moments) ``iterations`` times. REFERENCE.md section 2:
+    its cell's centroid (closed-form cell moments) ``iterations`` times. :ref:`ref-lloyd-max`:
     public code stops after 100-300 iterations and ends 2%-800% above the optimum at 5-8 bits.
     """
     k = 2**bits

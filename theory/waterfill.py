@@ -7,7 +7,7 @@ variances ``lambda_i`` coded at a total of B bits reach the minimum total distor
 ``D_i = min(theta, lambda_i)`` and ``b_i = max(0, log2(lambda_i / theta) / 2)``, where ``theta``
 makes ``sum_i b_i = B``.
 
-Equal-volume grouping (REFERENCE.md section 9, derived): a fixed-rate g-dimensional quantizer per
+Equal-volume grouping (:ref:`ref-nova-kv`, derived): a fixed-rate g-dimensional quantizer per
 group ``G_j`` at b bits per coefficient gives, at high rate, ``D_j = c g (prod_{i in G_j}
 lambda_i)^(1/g) 4^-b``; the variable-rate optimum (every coefficient above the water level) is
 ``c n (prod_i lambda_i)^(1/n) 4^-b``. Their ratio is the arithmetic over the geometric mean of the

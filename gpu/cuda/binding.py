@@ -48,7 +48,7 @@ from kvq_ref.turbo_block import FORMATS, TurboBlock
 from kvq_ref.turboquant import TurboQuantMSE
 
 from ..schedule import plan_splits
-from ..tables import DeviceTable, TableMismatchError, load_device_table
+from ..tables import DeviceTable, TableMismatchError, check_device_table, load_device_table
 
 __all__ = ["CudaUnavailableError", "KernelResources", "SOURCES", "MAX_DIM", "MAX_BITS", "cache_dir", "find_nvcc",
            "ptxas_report", "format_report", "build_library", "build_host_emulation", "quantize_mse",
@@ -320,16 +320,13 @@ def _table(table, dim: int, bits: int, device) -> DeviceTable:
         return _table_cache[key]
     if not isinstance(table, DeviceTable):
         raise TypeError(f"table must be a gpu.tables.DeviceTable, got {type(table).__name__}")
-    if table.bits != bits or table.dim != dim:
-        raise TableMismatchError(f"table {table.codebook.name} is for dim={table.dim}, bits={table.bits}; "
-                                 f"the quantizer needs dim={dim}, bits={bits}")
-    n = 1 << bits
-    for nm, arr, size, dt in (("levels", table.levels, n, "torch.float64"),
-                              ("thresholds", table.thresholds, n - 1, "torch.float64"),
-                              ("levels32", table.levels32, n, "torch.float32")):
-        if arr.device != device or str(arr.dtype) != dt or tuple(arr.shape) != (size,):
-            raise TableMismatchError(f"table {nm} must be {dt} of shape ({size},) on {device}, got {arr.dtype} "
-                                     f"{tuple(arr.shape)} on {arr.device}")
+    cb_bits, cb_dim = getattr(table.codebook, "bits", None), getattr(getattr(table.codebook, "density", None), "d", None)
+    if cb_bits != bits or cb_dim != dim:
+        raise TableMismatchError(f"table {getattr(table.codebook, 'name', table.codebook)!r} is for dim={cb_dim}, "
+                                 f"bits={cb_bits}; the quantizer needs dim={dim}, bits={bits}")
+    check_device_table(table, dim, bits)  # types, sizes, contiguity and values: what the kernels index
+    if table.levels.device != device:
+        raise TableMismatchError(f"table is on {table.levels.device}, the inputs on {device}")
     return table
 
 

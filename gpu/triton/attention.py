@@ -30,8 +30,7 @@ import numpy as np
 import torch
 import triton
 
-from codebooks import SphereMarginal
-from gpu.tables import DeviceTable, TableMismatchError
+from gpu.tables import DeviceTable, TableMismatchError, check_device_table
 from kvq_ref.packing import packed_size
 from kvq_ref.rotations import HadamardRotation
 from kvq_ref.turboquant import TurboQuantMSE
@@ -120,9 +119,10 @@ def _check_method(name, method, table, d):
         raise ValueError(f"{name} has dim {method.dim}, the queries have d={d}")
     if not isinstance(table, DeviceTable):
         raise TypeError(f"the table for {name} must be a gpu.tables.DeviceTable, got {type(table).__name__}")
-    if table.codebook.density != SphereMarginal(d) or table.bits != method.bits:
-        raise TableMismatchError(f"{name} needs the SphereMarginal({d}) table at {method.bits} bits, "
-                                 f"got {table.codebook.name} ({table.bits} bits)")
+    try:
+        check_device_table(table, d, method.bits)  # types, sizes, device and values: what the kernels index
+    except TableMismatchError as exc:
+        raise TableMismatchError(f"{name} needs the SphereMarginal({d}) table at {method.bits} bits: {exc}") from None
 
 
 def _check_tensor(name, x, dtypes, shape, device):

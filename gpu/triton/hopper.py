@@ -1,7 +1,7 @@
 """Compile a Triton kernel for Hopper (sm_90) without a GPU and report its resource usage.
 
 ``triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))`` lowers a kernel to PTX and
-a cubin with the ptxas bundled in the Triton wheel; no driver is needed (REFERENCE.md section 12).
+a cubin with the ptxas bundled in the Triton wheel; no driver is needed (:ref:`ref-kernels-cpu`).
 ``CompiledKernel.n_regs``/``n_spills`` are only filled in when the kernel is loaded on a device,
 so the registers and spills are read from ``ptxas -v`` on the generated PTX instead.
 """

@@ -124,6 +124,45 @@ class NovaKeyTables:
     g: int
     digest: str
 
+    def check(self, device=None) -> "NovaKeyTables":
+        """Refuse, before any launch, tables the kernels cannot index safely (hand-built ones too): the
+        kernels gather query coordinates at ``groups`` and centroids at code values, so ``groups``
+        must be a partition of 0..d-1 into (G, g), every tensor contiguous on one device with the
+        documented dtype and shape, ``K = 2^(bits * g)`` with ``bits * g`` in 1..8, values finite.
+        One small device-to-host copy of ``groups`` and a finiteness reduction per call."""
+        for name, dtype in (("inverse", torch.float32), ("mu", torch.float32), ("groups", torch.int32),
+                            ("centroids", torch.float32)):
+            t = getattr(self, name)
+            if not isinstance(t, torch.Tensor) or t.dtype != dtype:
+                raise TypeError(f"tables.{name} must be a {dtype} torch.Tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+            if t.device != (device or self.mu.device):
+                raise ValueError(f"tables.{name} is on {t.device}, the others on {device or self.mu.device}")
+            if not t.is_contiguous():
+                raise ValueError(f"tables.{name} must be contiguous (a strided view would be read as if it were)")
+        for name in ("bits", "g"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"tables.{name} must be a positive integer, got {v!r}")
+        if self.mu.ndim != 1:
+            raise ValueError(f"tables.mu must be 1-D (d,), got shape {tuple(self.mu.shape)}")
+        d, g = self.d, self.g
+        code_bits = self.bits * g
+        if not 1 <= code_bits <= 8 or d % g:
+            raise ValueError(f"tables: bits * g = {code_bits} must be in 1..8 and g = {g} must divide d = {d}")
+        shapes = {"inverse": (d, d), "groups": (d // g, g), "centroids": (d // g, 1 << code_bits, g)}
+        for name, shape in shapes.items():
+            if tuple(getattr(self, name).shape) != shape:
+                raise ValueError(f"tables.{name} must have shape {shape}, got {tuple(getattr(self, name).shape)}")
+        groups = self.groups.detach().cpu().numpy().reshape(-1)
+        if not np.array_equal(np.sort(groups), np.arange(d)):
+            bad = groups[(groups < 0) | (groups >= d)]
+            raise ValueError(f"tables.groups must partition the coordinates 0..{d - 1} "
+                             f"({'index ' + str(int(bad[0])) + ' is out of range' if bad.size else 'an index repeats'})")
+        for name in ("inverse", "mu", "centroids"):
+            if not bool(torch.isfinite(getattr(self, name)).all()):
+                raise ValueError(f"tables.{name} holds NaN/Inf")
+        return self
+
     @property
     def d(self) -> int:
         return int(self.mu.shape[0])
@@ -198,15 +237,14 @@ def nova_key_scores(q, codes, gains, tables, block_n=None, num_warps=4) -> torch
         tables = NovaKeyTables.from_head(tables, dev)
     if not isinstance(tables, NovaKeyTables):
         raise TypeError(f"tables must be NovaKeyTables or a NovaHead, got {type(tables).__name__}")
+    if getattr(tables.mu, "device", None) != dev:
+        raise ValueError(f"tables are on {getattr(tables.mu, 'device', None)}, the queries are on {dev}")
+    tables.check(dev)
     *lead, m, d = q.shape
     lead = tuple(lead)
     if d != tables.d:
         raise ValueError(f"q has d={d}, the head's tables have d={tables.d}")
-    if tables.inverse.device != dev:
-        raise ValueError(f"tables are on {tables.inverse.device}, the queries are on {dev}")
     code_bits = tables.bits * tables.g
-    if not 1 <= code_bits <= 8 or tables.k != 2 ** code_bits:
-        raise ValueError(f"tables hold {tables.k} centroids per group, bits * g = {code_bits} needs {2 ** code_bits}")
     nbytes = packed_size(tables.n_groups, code_bits)
     if not isinstance(codes, torch.Tensor):
         raise TypeError(f"codes must be a torch.Tensor, got {type(codes).__name__}")

@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu.tables import DeviceTable, TableMismatchError
+from gpu.tables import DeviceTable, check_device_table
 from gpu.triton.codes import code_at, fwht_tile, pack_store
 from kvq_ref.packing import packed_size
 from kvq_ref.turbo_block import TurboBlock
@@ -263,11 +263,7 @@ def _check_table(q, table, kind: type) -> None:
                          f"not profile {q.spec.name!r}")
     if kind is TurboQuantMSE and q.rotation != "hadamard":
         raise ValueError(f"the Triton kernels implement rotation='hadamard', q has {q.rotation!r}")
-    if not isinstance(table, DeviceTable):
-        raise TypeError(f"table must be a gpu.tables.DeviceTable, got {type(table).__name__}")
-    if table.dim != q.dim or table.bits != q.bits:
-        raise TableMismatchError(f"table is SphereMarginal({table.dim}) at {table.bits} bits, "
-                                 f"{type(q).__name__} needs SphereMarginal({q.dim}) at {q.bits} bits")
+    check_device_table(table, q.dim, q.bits)  # types, sizes, device and values: what the kernels index
 
 
 def _check_device(name: str, t: torch.Tensor, table: DeviceTable) -> None:

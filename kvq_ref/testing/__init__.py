@@ -7,7 +7,9 @@ cache) what this project's own kernel tests use:
   bound for float32 decoders, per-query bounds for float32 decode attention and NOVA-KV scores;
 * checks (``checks``) that run a function and assert it meets kvq_ref within those bounds;
 * hypothesis strategies (``strategies``, needs ``hypothesis``) for realistic K/V: channel offsets,
-  outlier channels, heavy-tailed tokens, zero rows and values exactly on quantizer thresholds.
+  outlier channels, heavy-tailed tokens, zero rows and values exactly on quantizer thresholds;
+* ``tie_rows`` (``ties``): rows whose rotated coordinates sit exactly on a rotated quantizer's
+  thresholds, in the arithmetic the quantizer compares them (a wrong tie rule fails on them).
 
 For implementations that cannot run Python, ``kvq-codebooks golden --method M --out DIR`` writes
 golden files (``kvq_ref.golden``).
@@ -22,12 +24,13 @@ Examples
 """
 
 from .checks import check_attention, check_decode, check_encode, check_nova_scores
+from .ties import tie_rows
 from .tolerances import (ATTENTION_RTOL, LAM, U32, decode_tolerance, mse_attention_tolerance, nova_score_tolerance,
                          row_errors)
 
 __all__ = ["U32", "LAM", "ATTENTION_RTOL", "decode_tolerance", "mse_attention_tolerance", "nova_score_tolerance",
            "row_errors", "check_encode", "check_decode", "check_attention", "check_nova_scores",
-           "kv_arrays", "kv_pairs", "threshold_ties"]
+           "kv_arrays", "kv_pairs", "threshold_ties", "tie_rows"]
 
 _STRATEGIES = ("kv_arrays", "kv_pairs", "threshold_ties")
 

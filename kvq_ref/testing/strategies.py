@@ -1,7 +1,7 @@
 """Hypothesis strategies for realistic K/V: offsets, outlier channels, heavy tails, zeros, ties.
 
-Real keys have per-channel offsets and a few channels 10-60x larger than the median (REFERENCE.md
-section 9; Gemma's global layers reach 63x), tokens with heavy-tailed norms, and exact zeros; kernels
+Real keys have per-channel offsets and a few channels 10-60x larger than the median (:ref:`ref-oscar`,
+:ref:`ref-nova-kv`; Gemma's global layers reach 63x), tokens with heavy-tailed norms, and exact zeros; kernels
 break on exactly these: a zero row puts every rotated coordinate on the middle threshold, and
 values exactly on a threshold or a half step test the tie rules.
 """
@@ -19,7 +19,9 @@ def kv_arrays(draw, d: int, n=st.integers(1, 64), dtype=np.float64, ties=None):
     """Token rows (n, d): offset channels, outlier channels, heavy-tailed norms, zero rows and ties.
 
     d : int; n : int or strategy; dtype : float16 rows are rounded (and kept finite);
-    ties : optional 1-D array of values (e.g. ``threshold_ties``) written at random positions.
+    ties : optional values written into the rows: a 1-D array (``threshold_ties``: for methods that
+        compare their inputs) at random positions, or rows (m, d) (``tie_rows``: for rotated
+        quantizers, whose ties are in the rotated domain) replacing 1..min(n, m) random rows.
     """
     n = draw(n) if isinstance(n, st.SearchStrategy) else int(n)
     seed = draw(st.integers(0, 2**32 - 1))
@@ -36,9 +38,16 @@ def kv_arrays(draw, d: int, n=st.integers(1, 64), dtype=np.float64, ties=None):
     x *= scale
     zeros = draw(st.lists(st.integers(0, n - 1), max_size=2))
     x[zeros] = 0.0
-    if ties is not None and len(ties):
-        pos = rng.integers(0, x.size, min(x.size, 2 * len(ties)))
-        x.flat[pos] = np.resize(np.asarray(ties, dtype=np.float64), pos.size)
+    ties = None if ties is None else np.asarray(ties, dtype=np.float64)
+    if ties is not None and ties.ndim == 2 and ties.size:
+        if ties.shape[1] != d:
+            raise ValueError(f"ties rows must have d={d} columns, got shape {ties.shape}")
+        m = draw(st.integers(1, min(n, ties.shape[0])))
+        at = rng.choice(n, m, replace=False)
+        x[at] = ties[rng.choice(ties.shape[0], m, replace=False)]  # as they are: scaling would move y off
+    elif ties is not None and ties.size:
+        pos = rng.integers(0, x.size, min(x.size, 2 * ties.size))
+        x.flat[pos] = np.resize(ties, pos.size)
     if np.dtype(dtype) == np.float16:
         x = np.clip(x, -6e4, 6e4)
     return x.astype(dtype)
@@ -52,7 +61,10 @@ def kv_pairs(draw, d: int, n=st.integers(1, 64), dtype=np.float64):
 
 
 def threshold_ties(thresholds, scale: float = 1.0, step: float | None = None) -> np.ndarray:
-    """Values exactly on a quantizer's decision points, for ``kv_arrays(ties=...)``.
+    """Values exactly on a quantizer's decision points, for ``kv_arrays(ties=...)``, in the input domain.
+
+    Only for methods that compare their inputs (uniform grids, KIVI's half steps): a rotated
+    quantizer never sees these values (use ``kvq_ref.testing.tie_rows``).
 
     thresholds : a codebook's thresholds (times ``scale``), and with ``step`` the half steps
     ``(k + 1/2) step`` of a uniform grid, k = -4..4 (exact float16 ties of min/max rules).

@@ -41,7 +41,7 @@ Attention, relative (``ATTENTION_RTOL``). For a float32 implementation whose int
 modelled term by term (the CUDA kernel: d-term dot products ~ sqrt(d) u, expf <= 2 ulp, running sums
 over n tokens ~ sqrt(n) u, a float32 inverse rotation of log2(b) + 2 roundings), d <= 256, n <= 300
 and logits of order 1..10 give ~1e-6 relative; measured at most 1.2e-6 (Frobenius) and 2e-6 (max
-element / max |ref|). 2e-5 leaves 10x for a GPU's expf and FMA contractions, while any indexing or
+element / ``max |ref|``). 2e-5 leaves 10x for a GPU's expf and FMA contractions, while any indexing or
 softmax bug (a wrong level, code, sign or weight) shows up at >= 1e-3.
 """
 

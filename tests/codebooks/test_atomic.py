@@ -154,3 +154,44 @@ def test_reader_reports_missing_folder_and_files(tmp_path):
         load_tables(folder)
     with pytest.raises(ValueError, match="directory missing"):
         read_folder(tmp_path / "gone", lambda r: None)
+
+
+def test_cleanup_never_touches_another_folders_temporary_files(tmp_path):
+    """Issue 53: stale temporary folders were found with a glob of the folder name, so saving
+    "t[1]" deleted the temporary folder of "t1" (being written by another process). Names are now
+    compared as text, and only the exact .F.tmp-<pid>-<hex8> names of F count."""
+    busy = [tmp_path / ".t1.tmp-4242-0123abcd", tmp_path / ".t.tmp-5.tmp-77-deadbeef", tmp_path / ".t[1].tmp-x"]
+    for b in busy:
+        b.mkdir()
+        (b / "part").write_bytes(b"being written")
+    mine = tmp_path / ".t[1].tmp-99-00ff00ff"  # a stale temporary folder of t[1] itself
+    mine.mkdir()
+    save_tables(SET_A, tmp_path / "t[1]")
+    save_tables(SET_A, tmp_path / "t")
+    assert all((b / "part").read_bytes() == b"being written" for b in busy)
+    assert not mine.exists()
+    assert load_tables(tmp_path / "t[1]").keys() == load_tables(tmp_path / "t").keys()
+
+
+@pytest.mark.parametrize("plant", ["symlink-to-dir", "dangling-symlink", "file"])
+def test_a_planted_aside_name_does_not_break_saves_or_redirect_reads(tmp_path, plant):
+    """Issue 53: a planted .F.old symlink made every later save fail (rmtree refuses symlinks) and
+    could send readers elsewhere. The writer removes the name (never what it points to); a reader
+    does not follow it."""
+    other = tmp_path / "other"
+    save_tables(SET_B, other)
+    before = _files(other)
+    folder = tmp_path / "F"
+    save_tables(SET_A, folder)
+    aside = aside_path(folder)
+    {"symlink-to-dir": lambda: aside.symlink_to(other), "dangling-symlink": lambda: aside.symlink_to(tmp_path / "nowhere"),
+     "file": lambda: aside.write_bytes(b"x")}[plant]()
+    save_tables(SET_B, folder)  # failed for every later save before
+    save_tables(SET_A, folder)
+    assert not os.path.lexists(aside) and len(load_tables(folder)) == len(SET_A)
+    assert _files(other) == before
+    # folder absent, the aside name planted: a reader refuses instead of reading the target
+    os.rename(folder, tmp_path / "moved")
+    aside.symlink_to(other)
+    with pytest.raises(TableFileError, match="directory missing .*symbolic link"):
+        load_tables(folder)

@@ -114,7 +114,7 @@ def _plain_lloyd(density, bits, iterations):
 
 @pytest.mark.parametrize("bits", [6, 7])
 def test_audit_quantifies_early_stopped_lloyd(bits):
-    """300 Lloyd iterations leave a visible excess at 6-7 bits (REFERENCE.md section 2)."""
+    """300 Lloyd iterations leave a visible excess at 6-7 bits (docs/references/quantization.md)."""
     dens = SphereMarginal(128)
     rep = audit(dens, _plain_lloyd(dens, bits, 300))
     assert rep.excess_percent > 1.0
@@ -150,3 +150,40 @@ def test_polar_audit_scales_about_the_centre():
     assert rep.excess_percent > 1
     assert rep.best_scale == pytest.approx(1 / 1.3, rel=1e-6)
     assert abs(rep.rescaled_excess_percent) < 1e-8
+
+
+def _mp_best_scale(levels, thresholds, start):
+    """argmin of D(s) for N(0, 1), from the closed-form cell moments in 40-digit mpmath (independent
+    of codebooks): the root of dD/ds next to ``start``."""
+    import mpmath as mp
+
+    mp.mp.dps = 40
+    a = [mp.mpf(float(v)) for v in levels]
+    t = [mp.mpf(float(v)) for v in thresholds]
+
+    def D(s):
+        edges = [-mp.inf] + [s * v for v in t] + [mp.inf]
+        total = mp.mpf(0)
+        for i, ai in enumerate(a):
+            lo, hi = edges[i], edges[i + 1]
+            phi = (lambda z: mp.npdf(z) if z not in (mp.inf, -mp.inf) else mp.mpf(0))
+            m0 = mp.ncdf(hi) - mp.ncdf(lo)
+            m1 = phi(lo) - phi(hi)
+            m2 = m0 + (lo * phi(lo) if lo != -mp.inf else 0) - (hi * phi(hi) if hi != mp.inf else 0)
+            total += m2 - 2 * s * ai * m1 + s * s * ai * ai * m0
+        return total
+
+    return float(mp.findroot(lambda s: mp.diff(D, s), mp.mpf(start), tol=mp.mpf(10) ** -30))
+
+
+@pytest.mark.parametrize("factor", [1.0, 1e-140, 1e-50, 1e50, 1e140])
+@pytest.mark.parametrize("midpoints", [True, False])
+def test_best_scale_is_exact_far_from_the_optimum(factor, midpoints):
+    """Issue 53: best_scale lost precision far from the optimum (1.4e-6 relative for a table 1e+-140
+    off its scale; a Gaussian table 1e50 off even hung in the tail quadrature). Now within 1e-13 of
+    the 40-digit minimiser, with midpoint thresholds and with the table's own (shifted) ones."""
+    lv = lloyd_max(Gaussian(), 3).levels * 0.7
+    th = 0.5 * (lv[:-1] + lv[1:]) + (0 if midpoints else 0.01 * np.sign(lv[1:] + lv[:-1] + 1e-9))
+    rep = audit(Gaussian(), lv * factor, None if midpoints else th * factor)
+    want = _mp_best_scale(lv, th, 1 / 0.7) / factor
+    assert rep.best_scale == pytest.approx(want, rel=1e-13)

@@ -261,3 +261,87 @@ def test_good_sets_still_load(nova, tables):
     assert NovaModel.load(nova[0]).head(0, 0).d == D
     assert CalibrationStats.load(nova[1]).d == D
 
+
+
+# --- issue 53: sizes bounded before reading, hashes checked before parsing, .npy headers first ---------
+def _copy_set(src, dst):
+    dst.mkdir()
+    for p in src.iterdir():
+        (dst / p.name).write_bytes(p.read_bytes())
+    return dst
+
+
+def test_an_oversized_tensor_file_is_refused_before_it_is_read(tables, tmp_path, monkeypatch):
+    """A sparse 2 GiB tables.safetensors was read whole (4.2 GB peak) before its hash failed. The
+    manifest bounds it (its arrays plus a bounded header) and the file's size is refused from fstat."""
+    bad = _copy_set(tables, tmp_path / "bad")
+    with open(bad / TENSORS, "r+b") as f:
+        f.truncate(2 << 30)  # sparse: no disk used
+    import codebooks._atomic as atomic
+
+    real = os.readv
+
+    def readv(fd, bufs):
+        if os.fstat(fd).st_size > 1 << 30:
+            pytest.fail("the oversized file was read")
+        return real(fd, bufs)
+
+    monkeypatch.setattr(atomic.os, "readv", readv)
+    with pytest.raises(TableFileError, match=rf"{TENSORS}: is 2147483648 bytes, more than the \d+ allowed"):
+        load_tables(bad)
+
+
+def test_a_large_manifest_with_a_wrong_hash_is_refused_without_parsing(tables, tmp_path, monkeypatch):
+    """A 64 MiB manifest took 2.85 GB and 33 s to refuse (parsed and re-serialised first). Past
+    1 MiB the manifest_sha256 line is checked against the raw bytes before any JSON parsing."""
+    bad = _copy_set(tables, tmp_path / "bad")
+    doc = json.loads((bad / MANIFEST).read_text())
+    doc["entries"] = doc["entries"] * (4000 // len(doc["entries"]))  # ~2 MiB, consistent JSON
+    (bad / MANIFEST).write_bytes(canonical_json(doc))
+    import codebooks.artifacts as artifacts
+
+    monkeypatch.setattr(artifacts, "parse_json", lambda *a, **k: pytest.fail("parsed before the hash check"))
+    with pytest.raises(TableFileError, match="manifest_sha256 does not match the manifest content"):
+        load_tables(bad)
+    (bad / MANIFEST).write_bytes(b"{" + b" " * (2 << 20) + b"}")
+    with pytest.raises(TableFileError, match="no single top-level 'manifest_sha256' line"):
+        load_tables(bad)
+
+
+def test_the_raw_hash_check_agrees_with_the_canonical_form(tables, tmp_path):
+    """The pre-parse check accepts exactly the manifests the full check accepts (a valid large set)."""
+    from codebooks.artifacts import _check_manifest_hash
+
+    raw = (tables / MANIFEST).read_bytes()
+    _check_manifest_hash(tables / MANIFEST, raw)
+    doc = json.loads(raw)
+    doc["generator"] = "kvq-codebooks 9"
+    body = {k: v for k, v in doc.items() if k != "manifest_sha256"}
+    doc["manifest_sha256"] = sha256(canonical_json(body))
+    _check_manifest_hash(tables / MANIFEST, canonical_json(doc))
+    with pytest.raises(TableFileError):
+        _check_manifest_hash(tables / MANIFEST, canonical_json(doc).replace(b"kvq-codebooks 9", b"kvq-codebooks 8"))
+
+
+def test_npy_header_declaring_huge_arrays_is_one_clear_error(tmp_path, capsys):
+    """A 160-byte .npy declaring 10^12 elements gave a MemoryError traceback in `kvq-codebooks audit`."""
+    from codebooks.cli import main
+
+    np.save(tmp_path / "ok.npy", np.array([-1.0, -0.3, 0.3, 1.0]))
+    raw = (tmp_path / "ok.npy").read_bytes()
+    hlen = int.from_bytes(raw[8:10], "little")
+    header = raw[10:10 + hlen].replace(b"(4,)", b"(1000000000000,)")
+    header = header.rstrip(b" \n").ljust(((10 + len(header) + 63) // 64) * 64 - 11) + b"\n"
+    huge = raw[:8] + len(header).to_bytes(2, "little") + header + raw[10 + hlen:]
+    (tmp_path / "huge.npy").write_bytes(huge)
+    short = raw[:-8]
+    (tmp_path / "short.npy").write_bytes(short)
+    (tmp_path / "obj.npy").write_bytes(raw.replace(b"'<f8'", b"'|O' "))
+    args = ["audit", "--dist", "gaussian", "--levels"]
+    assert main(args + [str(tmp_path / "huge.npy")]) == 2
+    assert "declares 1000000000000 values; a table has at most 4096" in capsys.readouterr().err
+    assert main(args + [str(tmp_path / "short.npy")]) == 2
+    assert "but holds 24 bytes of data" in capsys.readouterr().err
+    assert main(args + [str(tmp_path / "obj.npy")]) == 2
+    assert "not numbers" in capsys.readouterr().err
+    assert main(args + [str(tmp_path / "ok.npy")]) == 0

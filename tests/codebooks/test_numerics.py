@@ -16,7 +16,7 @@ import pytest
 from codebooks import Empirical, Gaussian, audit, distortion, lloyd_max
 from codebooks.densities import SCALE_RANGE
 
-# N(0,1) optima (REFERENCE.md section 2, independently computed to >= 16 digits)
+# N(0,1) optima (docs/references/quantization.md, independently computed to >= 16 digits)
 GAUSS_MSE = {1: 0.36338022763241866, 2: 0.11748184782932929, 3: 0.03454776078850373, 4: 0.0095010080081918861}
 
 

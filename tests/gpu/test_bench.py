@@ -3,7 +3,7 @@
 The timings of a dry run mean nothing; what is checked is that the script runs end to end as one
 command, that its correctness gate passes (quantize and append bit-exact, contiguous and paged
 attention within 2e-3 relative, for the Triton kernels and, on the host emulation, the CUDA fragment
-kernel), and that it writes a JSON with every field the README and notebook 06 read.
+kernel), and that it writes a JSON with every field docs/gpu.md and notebook 06 read.
 """
 
 import json

@@ -296,3 +296,31 @@ def test_gpu_long_cache_many_heads():
     for i, c in enumerate(caches):
         err = np.abs(out[i] - attention_decode(q[i], c)).max(axis=1)
         assert np.all(err <= mse_tolerance(q[i], c, kq, vq, 1 / math.sqrt(d)))
+
+
+def test_nova_hand_built_tables_are_validated(nova):
+    """Issue 53: a hand-built NovaKeyTables with a group index of 1e6 segfaulted the kernel (it
+    gathers query coordinates at the group indices); every field is now checked before launch."""
+    import dataclasses
+
+    gen, head, nk, tables = nova
+    enc = nk.encode(sequence(gen, 1, 1, 20, 3)[0][1][0])
+    codes, gains = torch.from_numpy(enc.arrays["codes"]).to(DEV), torch.from_numpy(enc.arrays["gains"]).to(DEV)
+    q = torch.zeros((2, head.d), device=DEV)
+    far = tables.groups.clone()
+    far[0, 0] = 10**6
+    twice = tables.groups.clone()
+    twice[0, 0] = twice[0, 1]
+    nan = tables.centroids.clone()
+    nan[0, 0, 0] = float("nan")
+    for edit, exc, msg in [(dict(groups=far), ValueError, "index 1000000 is out of range"),
+                           (dict(groups=twice), ValueError, "an index repeats"),
+                           (dict(groups=tables.groups.long()), TypeError, "groups must be a torch.int32"),
+                           (dict(centroids=nan), ValueError, "centroids holds NaN/Inf"),
+                           (dict(centroids=tables.centroids[:, :-1].contiguous()), ValueError, "centroids must have shape"),
+                           (dict(inverse=tables.inverse.t()), ValueError, "inverse must be contiguous"),
+                           (dict(bits=0), ValueError, "bits must be a positive integer"),
+                           (dict(g=True), ValueError, "g must be a positive integer")]:
+        with pytest.raises(exc, match=msg):
+            nova_key_scores(q, codes, gains, dataclasses.replace(tables, **edit))
+    assert tables.check() is tables

@@ -21,7 +21,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import gpu.triton.quantize as tq  # noqa: E402
-from gpu.tables import DeviceTable, TableMismatchError, load_device_table  # noqa: E402
+from gpu.tables import DeviceTable, TableMismatchError, check_device_table, load_device_table  # noqa: E402
 from gpu.triton import (dequantize_mse, dequantize_turbo_block, hopper_compile, quantize_mse,  # noqa: E402
                         quantize_turbo_block)
 from kvq_ref.packing import unpack_codes  # noqa: E402
@@ -326,3 +326,24 @@ def test_on_gpu_many_rows():
         x = data(4099, 128, seed=1)
         np.testing.assert_array_equal(np_(quantize_turbo_block(x, q, table(128, q.bits))),
                                       q.encode(x.cpu()).arrays["blocks"])
+
+
+def test_hand_built_tables_are_validated_before_launch(no_launch):
+    """Issue 53: the kernels trusted a hand-built DeviceTable (they index levels by code and search
+    the thresholds): wrong sizes, dtypes, a non-contiguous view or edited values are refused."""
+    import dataclasses
+
+    q = TurboQuantMSE(128, 3)
+    x = data(4, 128, seed=0)
+    good = table(128, 3)
+    bad = [dataclasses.replace(good, levels=good.levels[:4]), dataclasses.replace(good, thresholds=good.thresholds.float()),
+           dataclasses.replace(good, levels32=good.levels32.clone().fill_(0.5)),
+           dataclasses.replace(good, levels=torch.stack([good.levels, good.levels], 1)[:, 0]),
+           dataclasses.replace(good, codebook=None), dataclasses.replace(good, thresholds32=[0.0] * 7)]
+    for wrong in bad:
+        with pytest.raises((TableMismatchError, TypeError)):
+            quantize_mse(x, q, wrong)
+        with pytest.raises((TableMismatchError, TypeError)):
+            dequantize_mse(torch.zeros((4, 48), dtype=torch.uint8, device=DEV), torch.ones(4, dtype=torch.float16,
+                                                                                        device=DEV), q, wrong)
+    check_device_table(good, 128, 3)

@@ -1,4 +1,4 @@
-"""Reader of the interop golden format (``../shared/interop/README.md``), independent of kvq_ref.
+"""Reader of the interop golden format (``data/README.md`` beside this file), independent of kvq_ref.
 
 A golden file is ``{method, source, variant, seed, shared?, cases: [{id, family, params, inputs,
 outputs, notes}]}``. Every array is ``{dtype, shape, b64}``: base64 of the array's little-endian
@@ -10,6 +10,7 @@ outputs) are decoded recursively.
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -18,14 +19,22 @@ import numpy as np
 import pytest
 
 DTYPES = {"float16": "<f2", "float32": "<f4", "float64": "<f8", "int8": "i1", "uint8": "u1", "int32": "<i4"}
-#: The folder the tests read: ``$KVQ_INTEROP_DIR``, else ``../shared/interop`` beside the repository.
+#: The golden sets shipped with the repository (made by the official code; ``data/README.md``).
+DATA = Path(__file__).resolve().parent / "data"
+#: More folders in the same format, read after ``DATA``: ``$KVQ_INTEROP_DIR`` (several joined by ``os.pathsep``).
 ENV = "KVQ_INTEROP_DIR"
-REPO = Path(__file__).resolve().parents[2]
 
 
-def interop_dir() -> Path:
-    """``$KVQ_INTEROP_DIR`` when set, else ``<repo>/../shared/interop``."""
-    return Path(os.environ[ENV]) if os.environ.get(ENV) else REPO.parent / "shared" / "interop"
+def interop_dirs() -> list[Path]:
+    """The bundled ``data/`` folder, then every folder named in ``$KVQ_INTEROP_DIR``.
+
+    A named folder that does not exist is an error (a typo must not pass as "no extra golden sets").
+    """
+    extra = [Path(p) for p in os.environ.get(ENV, "").split(os.pathsep) if p]
+    missing = [str(p) for p in extra if not p.is_dir()]
+    if missing:
+        raise FileNotFoundError(f"${ENV} names folders that do not exist: {missing}")
+    return [DATA, *extra]
 
 
 def is_array(obj) -> bool:
@@ -68,9 +77,24 @@ def load_golden(path) -> dict:
 
 
 def golden_files(method: str, folder=None) -> list[Path]:
-    """Every ``golden*.json`` in ``<folder>/<method>/`` (sorted)."""
-    root = Path(folder) if folder is not None else interop_dir()
-    return sorted((root / method).glob("golden*.json"))
+    """Every ``golden*.json`` in ``<folder>/<method>/`` (sorted); without ``folder``, those of every
+    folder of ``interop_dirs()`` in order, a file whose bytes equal an earlier one's counted once (so
+    ``$KVQ_INTEROP_DIR`` pointing at a copy of the bundled sets tests nothing twice)."""
+    if folder is not None:
+        return sorted((Path(folder) / method).glob("golden*.json"))
+    out, seen = [], set()
+    for root in interop_dirs():
+        for path in sorted((root / method).glob("golden*.json")):
+            digest = hashlib.sha256(path.read_bytes()).digest()
+            if digest not in seen:
+                seen.add(digest)
+                out.append(path)
+    return out
+
+
+def file_label(path: Path) -> str:
+    """A golden file's name in test ids: ``golden.json`` for the bundled sets, the path otherwise."""
+    return path.name if path.parent.parent == DATA else str(path)
 
 
 def cases(method: str, folder=None) -> list[tuple[str, dict, dict]]:
@@ -81,7 +105,7 @@ def cases(method: str, folder=None) -> list[tuple[str, dict, dict]]:
         if g["method"] != method:
             raise ValueError(f"{path}: method {g['method']!r}, expected {method!r}")
         for case in g["cases"]:
-            out.append((f"{path.name}:{case['id']}", case, g.get("shared", {})))
+            out.append((f"{file_label(path)}:{case['id']}", case, g.get("shared", {})))
     return out
 
 
@@ -89,7 +113,7 @@ def golden_params(method: str, family: str | None = None, folder=None):
     """pytest params ``(case, shared)`` of every golden case of ``method`` (optionally one family);
     one skipped param with the reason when the folder holds no golden file of ``method``."""
     if not golden_files(method, folder):
-        where = folder if folder is not None else interop_dir()
+        where = folder if folder is not None else [str(p) for p in interop_dirs()]
         return [pytest.param(None, None, marks=pytest.mark.skip(
             reason=f"no golden files for {method!r} in {where} (set ${ENV} to a folder in the interop format)"),
             id=f"{method}-absent")]

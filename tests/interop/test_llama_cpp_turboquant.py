@@ -1,8 +1,8 @@
 """Golden tests: TurboBlock against the llama.cpp TurboQuant fork's CPU reference.
 
-Reads ``<interop>/llama-cpp-turboquant/facts.json`` and every ``golden*.json`` beside it
-(``<interop>`` = ``$KVQ_INTEROP_DIR``, default ``../shared/interop`` beside the repository root),
-made by running the fork's compiled ``quantize_row_turbo{2,3,4}_0_ref``. Checks:
+Reads ``tests/interop/data/llama-cpp-turboquant/facts.json``, the ``golden*.json`` beside it and
+those of ``$KVQ_INTEROP_DIR/llama-cpp-turboquant/`` (same revision, same facts), made by running the
+fork's compiled ``quantize_row_turbo{2,3,4}_0_ref``. Checks:
 
 * the shipped profile of the golden file's commit is exactly what facts.json states (signs,
   float32 tables, layout sizes, the 1e-10 limit, the float32 1/sqrt(128));
@@ -25,16 +25,10 @@ import pytest
 from kvq_ref.turbo_block import TurboBlock
 from kvq_ref.turbo_profiles import get_profile, parse_f32, profile_names
 
-from .golden_format import interop_dir
+from .golden_format import DATA, file_label, golden_files
 
-INTEROP = interop_dir()
-FOLDER = INTEROP / "llama-cpp-turboquant"
+FOLDER = DATA / "llama-cpp-turboquant"  # the bundled set: the fork at 69d8e4be
 FMTS = {"turbo2": 2, "turbo3": 3, "turbo4": 4}
-
-if not INTEROP.is_dir():
-    pytest.skip(f"no golden files: interop folder {INTEROP} is absent (set KVQ_INTEROP_DIR)", allow_module_level=True)
-if not FOLDER.is_dir():
-    pytest.skip(f"{INTEROP} holds no llama-cpp-turboquant/ golden set", allow_module_level=True)
 
 
 # --- loading golden data: this set's inputs are bare base64 strings of little-endian float32 (not
@@ -49,7 +43,7 @@ def _json(path: Path) -> dict:
 
 
 FACTS = _json(FOLDER / "facts.json")
-GOLDEN_FILES = sorted(FOLDER.glob("golden*.json"))
+GOLDEN_FILES = golden_files("llama-cpp-turboquant")
 
 
 def _commit(source: str) -> str:
@@ -67,8 +61,11 @@ def _profile_for(commit: str):
                 "kvq_ref/data/turbo_profiles.json")
 
 
-@pytest.fixture(scope="module", params=GOLDEN_FILES, ids=[p.name for p in GOLDEN_FILES])
+@pytest.fixture(scope="module", params=GOLDEN_FILES, ids=[file_label(p) for p in GOLDEN_FILES])
 def golden(request):
+    beside = request.param.parent / "facts.json"
+    if beside.is_file() and _json(beside) != FACTS:
+        pytest.fail(f"{beside} differs from the bundled facts: these tests decode with the 69d8e4be facts only")
     doc = _json(request.param)
     assert doc["cases"], f"{request.param} has no cases"
     prof = _profile_for(_commit(doc["source"]))
@@ -181,9 +178,10 @@ def test_zero_and_tiny_rows(golden):
     assert seen > 0, "the golden set has no zero or tiny rows"
 
 
-def test_overflow_where_the_fork_writes_inf_is_refused(golden):
-    """Scaling the largest golden row until n / ||c|| passes 65504: the fork's rule would store
-    0x7C00 (+Inf); encode raises instead, and a block holding 0x7C00 is refused when decoded."""
+def test_overflow_where_the_fork_writes_inf(golden):
+    """Scaling the largest golden row until n / ||c|| passes 65504: the fork's rule stores 0x7C00
+    (+Inf) with the row's codes. encode raises by default and writes it with overflow="fork"; a
+    block holding 0x7C00 is read and decodes as the fork's dequantize does (+-Inf)."""
     doc, prof, rows = golden
     x = max(rows, key=lambda r: float(np.max(np.linalg.norm(r.astype(np.float64), axis=1))))
     big = x * np.float32(8e4 / np.max(np.linalg.norm(x.astype(np.float64), axis=1)))
@@ -191,7 +189,12 @@ def test_overflow_where_the_fork_writes_inf_is_refused(golden):
         tb = TurboBlock(fmt, profile=prof)
         with pytest.raises(ValueError, match="overflows float16"):
             tb.encode(big)
+        enc = TurboBlock(fmt, profile=prof, overflow="fork").encode(big)
+        idx, norms = tb.unpack(enc.arrays["blocks"].reshape(-1, tb.bytes_per_block))
+        over = np.isinf(norms)
+        assert over.any() and np.all(norms[over].view(np.uint16) == 0x7C00)
         raw = bytearray(tb.to_bytes(tb.encode(x)))
         raw[0:2] = b"\x00\x7c"
-        with pytest.raises(ValueError, match=r"norm is NaN/Inf or negative \(\+Inf: an fp16 overflow"):
-            tb.from_bytes(bytes(raw), x.shape)
+        enc = tb.from_bytes(bytes(raw), x.shape)
+        want = tb.levels[tb.unpack(enc.arrays["blocks"].reshape(-1, tb.bytes_per_block))[0][0]] * np.float32(np.inf)
+        assert np.array_equal(tb.decode_rotated(enc).reshape(-1, 128)[0], want)

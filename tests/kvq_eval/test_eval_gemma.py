@@ -89,7 +89,7 @@ def test_gemma_method_is_finite_and_close(gemma, name):
         out = model(ids).logits
     assert torch.isfinite(out).all()
     kl = (torch.softmax(ref, -1) * (torch.log_softmax(ref, -1) - torch.log_softmax(out, -1))).sum(-1).mean()
-    # results/eval/gemma3/lm (512-token windows): KL 0.78 for tq_mse3 and 0.23 for turbo4, while the
-    # 2-bit rotations that lose retrieval sit at 2.0-2.9: 1.5 lets a working 3-4-bit method pass
-    # and fails one that degrades the model as badly as those
+    # v1's results/eval/gemma3/lm (512-token windows; in commit e57fc0a): KL 0.78 for tq_mse3 and
+    # 0.23 for turbo4, while the 2-bit rotations that lose retrieval sit at 2.0-2.9: 1.5 lets a
+    # working 3-4-bit method pass and fails one that degrades the model as badly as those
     assert 0 < kl.item() < 1.5

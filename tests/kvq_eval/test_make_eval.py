@@ -36,7 +36,7 @@ def _make_eval_runs() -> list[list[str]]:
 
 
 def test_make_eval_plans_every_committed_cell():
-    """Every committed cell file of results/eval_v2, and every entry inside a needle sample, is a
+    """Every committed cell file of results/eval_v3, and every entry inside a needle sample, is a
     unit of ``make eval``'s grid: the target regenerates all of them (a cell run by hand with other
     settings would fail here until the Makefile names it)."""
     runs = _make_eval_runs()
@@ -44,12 +44,12 @@ def test_make_eval_plans_every_committed_cell():
     planned: dict[Path, set[str]] = {}
     for argv in runs:
         kw = grid_kwargs(_parser().parse_args(["run", *argv]))
-        assert Path(kw["out"]) == Path("results/eval_v2"), argv
+        assert Path(kw["out"]) == Path("results/eval_v3"), argv
         for u in plan(**{**kw, "out": ROOT / kw["out"]}):
             planned.setdefault(u["path"], set()).update(u["entries"] if u["task"] == "niah" else [u["entry"]])
-    committed = [f for f in sorted((ROOT / "results" / "eval_v2").glob("*/*/*.json"))
+    committed = [f for f in sorted((ROOT / "results" / "eval_v3").glob("*/*/*.json"))
                  if f.parent.name in TASK_FOLDERS]
-    assert len(committed) > 500  # the committed grid (a moved folder must not pass this vacuously)
+    assert len(committed) > 300  # the committed grid, still filling (a moved folder must not pass this vacuously)
     unplanned = [str(f.relative_to(ROOT)) for f in committed if f not in planned]
     assert not unplanned, f"committed cells that make eval would not regenerate: {unplanned}"
     extra = {}

@@ -10,9 +10,9 @@ ray = pytest.importorskip("ray")
 
 
 def _strip(obj):
-    """A result without its timings (the only fields that differ between runs)."""
+    """A result without its timings and provenance (the workers' OMP_NUM_THREADS is recorded there)."""
     if isinstance(obj, dict):
-        return {k: _strip(v) for k, v in obj.items() if k not in ("seconds", "wall_seconds")}
+        return {k: _strip(v) for k, v in obj.items() if k not in ("seconds", "wall_seconds", "provenance")}
     if isinstance(obj, list):
         return [_strip(v) for v in obj]
     return obj
@@ -47,3 +47,31 @@ def test_ray_grid_matches_serial(tmp_path):
         a = json.loads((tmp_path / "serial" / f).read_text())
         b = json.loads((tmp_path / "ray" / f).read_text())
         assert _strip(a) == _strip(b), f
+
+
+def test_cli_ray_auto_without_a_cluster_says_what_to_do(tmp_path, capsys, monkeypatch):
+    """``--ray auto`` with no running cluster: one clear error naming ``--ray local``, before any model
+    is loaded, and no result written."""
+    import kvq_eval.runner as runner
+    from kvq_eval.cli import main
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(runner, "Evaluator", lambda *a, **k: pytest.fail("model loaded"))
+    rc = main(["run", "--ray", "auto", "--methods", "tq_mse2", "--tasks", "ppl", "--ppl-windows", "64x1",
+               "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--ray auto: no Ray cluster to join" in err and "--ray local" in err and "Traceback" not in err
+    assert not list(tmp_path.rglob("*.json"))
+
+
+@pytest.mark.model
+def test_cli_ray_local_runs_the_grid(tmp_path, capsys):
+    """``kvq-eval run --ray local`` starts a Ray instance on this machine and writes the cells."""
+    from kvq_eval.cli import main
+
+    assert main(["run", "--ray", "local", "--methods", "tq_mse2", "--tasks", "ppl", "--ppl-windows", "64x2",
+                 "--out", str(tmp_path)]) == 0
+    assert "1 cell(s) run" in capsys.readouterr().out
+    cell = json.loads(next((tmp_path / "smollm2" / "ppl").glob("*.json")).read_text())
+    assert len(cell["windows"]) == 2 and cell["text"] == "short" and cell["provenance"]["protocol"] == 3
+    assert json.loads((tmp_path / "smollm2" / "runs.jsonl").read_text())["command"].startswith("kvq-eval run --ray local")

@@ -1,133 +1,137 @@
-"""``kvq-eval readme`` recomputes the README's evaluation tables from the JSON (issue 15).
-
-The committed README must be a fixed point of the refresh (every table is what the committed JSON
-gives), and the refresh must repair what goes stale: a changed number, a row missing from a table
-marked ``all`` or ``filled``, paired rows. What the JSON cannot give is a ``ValueError`` naming it.
-"""
+"""``kvq-eval readme`` rebuilds the marked tables of README.md and docs/evaluation.md from the JSON,
+and ``kvq-eval recommend`` picks the cheapest setting within a target at the upper end of its
+interval (crafted results; the committed files must be fixed points of the refresh)."""
 
 from __future__ import annotations
 
-import re
+import json
+import math
 from pathlib import Path
 
 import pytest
 
 from kvq_eval.cli import main
-from kvq_eval.readme import refresh_readme, refresh_readme_file
+from kvq_eval.plot import load_results
+from kvq_eval.readme import refresh_file, refresh_markdown
+from kvq_eval.recommend import recommend
 
 ROOT = Path(__file__).resolve().parents[2]
-README = ROOT / "README.md"
-RESULTS = ROOT / "results" / "eval_v2"
+RESULTS = ROOT / "results" / "eval_v3"
 
 
-@pytest.fixture(scope="module")
-def text() -> str:
-    return README.read_text()
+@pytest.mark.parametrize("name", ["README.md", "docs/evaluation.md"])
+def test_the_committed_files_are_current(name):
+    path = ROOT / name
+    text = path.read_text()
+    assert "<!-- kvq-eval " in text, f"{name} has no generated table"
+    assert refresh_markdown(text, RESULTS, name) == text, f"{name}: stale tables, run `kvq-eval readme`"
 
 
-def _bump_digit(line: str) -> str:
-    """``line`` with the first digit after its first cell changed."""
-    cut = line.index("|", 2)
-    m = re.search(r"\d", line[cut:])
-    i = cut + m.start()
-    return line[:i] + str((int(line[i]) + 1) % 10) + line[i + 1:]
+def _ppl(entry, dnll, bits, tokens=8192):
+    windows = [{"n": tokens - 1, "nll_q": (2.0 + d) * (tokens - 1), "nll_f": 2.0 * (tokens - 1), "kl": 0.01 * tokens,
+                "top1": tokens - 2, "dnll_bins": [d] * 4} for d in dnll]
+    return {"entry": entry, "tokens": tokens, "windows": windows, "bits_per_element": bits, "band_pairs": 0.1,
+            "band": {"sink": 0, "window": 0}, "task": "ppl"}
 
 
-def _table_rows(text: str, marker: str) -> list[str]:
-    lines = text.split("\n")
-    i = lines.index(marker) + 1
-    while not lines[i].startswith("|"):
-        i += 1
-    j = i
-    while lines[j].startswith("|"):
-        j += 1
-    return lines[i + 2:j]
+def _write(root, rel, obj):
+    p = root / rel
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(obj))
 
 
-def test_the_committed_readme_is_current(text):
-    assert refresh_readme(text, RESULTS) == text, "README tables are stale: run `kvq-eval readme`"
+@pytest.fixture
+def folder(tmp_path):
+    root = tmp_path / "smollm2"
+    # per-window NLL changes (nats per token): the 4 windows' t interval decides
+    _write(root, "ppl/a.json", _ppl("tq_mse3@none", [0.004, 0.005, 0.006, 0.005], 3.1))       # +0.5 %, hi ~ +0.63
+    _write(root, "ppl/b.json", _ppl("tq_mse4@none", [0.002, 0.0025, 0.003, 0.0025], 4.1))    # hi ~ +0.31
+    _write(root, "ppl/c.json", _ppl("tq_mse2@none", [0.001, 0.05, 0.002, 0.003], 2.1))       # mean ok, hi far
+    _write(root, "ppl/d.json", _ppl("tq_mse2@0,64", [0.02, 0.021, 0.019, 0.02], 2.3))        # +2.0 %
+    _write(root, "ppl/e.json", _ppl("kivi4@64,256", [0.0, 0.0005, 0.0005, 0.0], 5.9))
+    for s in range(6):
+        _write(root, f"niah/single_ctx4096_d0.5_s{s}.json", {
+            "variant": "single", "context": 4096, "sample": s, "depth": 0.5, "results": {
+                "fp32": {"exact": 1, "logprob": -1.0}, "tq_mse3@none": {"exact": int(s < 5), "logprob": -1.2 - 0.01 * s,
+                                                                        "bits_per_element": 3.1}}})
+    return tmp_path
 
 
-def test_every_entry_table_is_marked(text):
-    """One marker per entry table of the section, each right above its table (a blank line between)."""
-    lines = text[text.index("**Status.**"):text.index("**The v1 results**")].split("\n")
-    tables = [k for k, line in enumerate(lines) if line.startswith("| entry |")]
-    assert len(tables) >= 5
-    for k in tables:
-        assert re.fullmatch(r"<!-- kvq-eval table .* -->", lines[k - 2]) and not lines[k - 1], lines[k]
+def test_recommend_uses_the_upper_end_of_the_interval(folder):
+    rows = {(r["target"], r["band"]): r for r in recommend(load_results(folder, "smollm2"), (0.5, 1.0, 3.0))}
+    # tq_mse2@none averages +1.5 % but its interval reaches far beyond 3 %: never recommended
+    assert rows[(1.0, "none")]["entry"] == "tq_mse3@none" and rows[(3.0, "none")]["entry"] == "tq_mse3@none"
+    assert rows[(0.5, "none")]["entry"] == "tq_mse4@none"
+    assert rows[(3.0, "band")]["entry"] == "tq_mse2@0,64" and rows[(1.0, "band")]["entry"] == "kivi4@64,256"
+    r = rows[(1.0, "none")]
+    assert r["ci"][1] <= 1.0 and r["dppl"] == pytest.approx(100 * math.expm1(0.005))
+    assert r["needles"][4096]["n"] == 6 and r["needles"][4096]["exact"] == pytest.approx(5 / 6)
+    assert rows[(0.5, "none")]["needles"] == {}
+    none = recommend(load_results(folder, "smollm2"), (0.01,))
+    assert [x["entry"] for x in none] == [None, None]
+    with pytest.raises(ValueError, match="targets must be positive"):
+        recommend(load_results(folder, "smollm2"), (0.0,))
+    assert [(x["entry"], x["candidates"]) for x in recommend(load_results(folder, "smollm2"), (1.0,), tokens=1024)] \
+        == [(None, 0), (None, 0)]
 
 
-def test_a_changed_number_is_restored(text):
-    row = _table_rows(text, "<!-- kvq-eval table gemma3 single -->")[3]
-    stale = text.replace(row, _bump_digit(row), 1)
-    assert stale != text
-    assert refresh_readme(stale, RESULTS) == text
+MARKED = """# A page
+
+Prose stays.
+
+<!-- kvq-eval recommend smollm2 -->
+
+| stale |
+|---|
+| x |
+
+<!-- kvq-eval table smollm2 - all -->
+| entry | bits @8K | Δppl 8K [95% t-CI] (windows) |
+|---|---|---|
+| nothing | 1 | 2 |
+
+<!-- kvq-eval compare smollm2 tq_mse3@none tq_mse4@none ppl -->
+| x |
+|---|
+
+<!-- kvq-eval compare smollm2 tq_mse3@none fp32 needles -->
+| x |
+|---|
+
+| an unmarked table | stays |
+|---|---|
+| 1 | 2 |
+"""
 
 
-def test_a_missing_row_comes_back_only_in_an_all_or_filled_table(text):
-    row = _table_rows(text, "<!-- kvq-eval table smollm2 single all -->")[5]
-    assert refresh_readme(text.replace(row + "\n", "", 1), RESULTS) == text
-    # ... or in a "filled" one (here: a multi-query row that only exists at 1K)
-    marker = "<!-- kvq-eval table smollm2 multiquery filled -->"
-    row = next(r for r in _table_rows(text, marker) if r.startswith("| tq_mse2@none+qprefill |"))
-    assert refresh_readme(text.replace(row + "\n", "", 1), RESULTS) == text
-    # a table without "all" shows the rows the README chose
-    listed = _table_rows(text, "<!-- kvq-eval table smollm2 single -->")[2]
-    shorter = text.replace(listed + "\n", "", 1)
-    assert refresh_readme(shorter, RESULTS) == shorter
+def test_marked_tables_are_rebuilt_and_others_kept(folder, tmp_path, capsys):
+    out = refresh_markdown(MARKED, folder, "page.md")
+    assert "Prose stays." in out and "| an unmarked table | stays |\n|---|---|\n| 1 | 2 |" in out
+    assert "| ≤ 1 % | none | tq_mse3@none | 3.10 |" in out
+    assert "| tq_mse2@none | 2.10 |" in out and "nothing" not in out
+    assert "| 8K | 4 | +0.0025 [" in out and "| 4096 | 6 | 0 | 1 | 5 | 0 |" in out
+    assert refresh_markdown(out, folder, "page.md") == out  # a fixed point
+    page = tmp_path / "page.md"
+    page.write_text(MARKED)
+    assert main(["readme", str(page), "--results", str(folder), "--check"]) == 1
+    assert "tables differ" in capsys.readouterr().out and page.read_text() == MARKED
+    assert main(["readme", str(page), "--results", str(folder)]) == 0 and page.read_text() == out
+    assert main(["readme", str(page), "--results", str(folder), "--check"]) == 0
+    assert refresh_file(page, folder) is False
+    assert main(["recommend", str(folder), "--targets", "1"]) == 0
+    assert "| ≤ 1 % | none | tq_mse3@none |" in capsys.readouterr().out
+    assert main(["recommend", str(folder), "--targets", "1,x"]) == 2
+    assert "--targets" in capsys.readouterr().err
 
 
-def test_a_filled_table_holds_exactly_the_entries_with_a_shown_value(text):
-    """``filled`` keeps kvq-eval table's rows that show a value in one of the README's columns: the
-    multi-query table lists every entry with a multi-query needle cell, and none of the entries that
-    only have perplexity or single-needle cells (which ``all`` would add as rows of "–")."""
-    from kvq_eval.plot import load_results
-
-    res = load_results(str(RESULTS), "smollm2")
-    with_cells = {e for cell in res["niah"] if cell["variant"] == "multiquery" for e in cell["results"]}
-    rows = _table_rows(text, "<!-- kvq-eval table smollm2 multiquery filled -->")
-    listed = {r.split("|")[1].strip() for r in rows}
-    assert listed == with_cells
-    assert not any(set(r.split("|")[2:-1]) <= {" – "} for r in rows)
-    # "all" would add rows of dashes for the key-error-study entries that have no multi-query cell
-    padded = refresh_readme(text.replace("smollm2 multiquery filled -->", "smollm2 multiquery all -->", 1), RESULTS)
-    extra = _table_rows(padded, "<!-- kvq-eval table smollm2 multiquery all -->")
-    assert len(extra) > len(rows) and all(set(r.split("|")[2:-1]) <= {" – "} for r in set(extra) - set(rows))
-
-
-def test_paired_rows_are_restored(text):
-    paired = next(line for line in text.split("\n") if re.match(r"\| \S+ − \S+ .*\| [+−]\d", line))
-    needle = _table_rows(text, next(line for line in text.split("\n") if re.match(r"`[^`]+` against `", line)))[0]
-    stale = text.replace(paired, _bump_digit(paired), 1).replace(needle, _bump_digit(needle), 1)
-    assert stale.count("\n") == text.count("\n") and stale != text
-    assert refresh_readme(stale, RESULTS) == text
-
-
-def test_what_the_json_cannot_give_is_named(text):
-    row = _table_rows(text, "<!-- kvq-eval table gemma3 single -->")[3]
-    fake = "| no_such_method@none" + row[row.index(" |", 2):]
-    with pytest.raises(ValueError, match="no_such_method@none"):
-        refresh_readme(text.replace(row, fake, 1), RESULTS)
-    with pytest.raises(ValueError, match="needs a '<!-- kvq-eval table"):
-        refresh_readme(text.replace("<!-- kvq-eval table gemma3 single -->", "", 1), RESULTS)
-    head = _table_rows(text, "<!-- kvq-eval table smollm2 decode all -->")
-    lines = text.split("\n")
-    k = lines.index(head[0]) - 2
-    bad = lines[k].replace("| top-1 |", "| top-5 |")
-    with pytest.raises(ValueError, match="top-5"):
-        refresh_readme("\n".join(lines[:k] + [bad] + lines[k + 1:]), RESULTS)
-    with pytest.raises(ValueError, match="evaluation section"):
-        refresh_readme("# no section here\n", RESULTS)
-
-
-def test_cli_check_and_refresh(text, tmp_path, capsys):
-    row = _table_rows(text, "<!-- kvq-eval table smollm2 multiquery filled -->")[0]
-    path = tmp_path / "README.md"
-    path.write_text(text.replace(row, _bump_digit(row), 1))
-    assert main(["readme", str(path), "--results", str(RESULTS), "--check"]) == 1
-    assert path.read_text() != text  # --check writes nothing
-    assert main(["readme", str(path), "--results", str(RESULTS)]) == 0
-    assert path.read_text() == text and sorted(p.name for p in tmp_path.iterdir()) == ["README.md"]
-    assert main(["readme", str(path), "--results", str(RESULTS), "--check"]) == 0
-    assert not refresh_readme_file(path, RESULTS)
-    assert "tables match" in capsys.readouterr().out
+@pytest.mark.parametrize("text, match", [
+    ("<!-- kvq-eval table smollm2 -->\n\nno table", "must be followed by a table"),
+    ("<!-- kvq-eval table smollm2 -->\n| entry | bits @8K |\n|---|---|\n| zip@none | 1 |", "entry 'zip@none' has no results"),
+    ("<!-- kvq-eval table smollm2 -->\n| entry | no such column |\n|---|---|", r"columns \['no such column'\]"),
+    ("<!-- kvq-eval compare smollm2 a b -->\n| x |\n|---|", "expected '<!-- kvq-eval compare"),
+    ("<!-- kvq-eval compare smollm2 tq_mse3@none fp32 ppl -->\n| x |\n|---|", "share no perplexity cell"),
+    ("<!-- kvq-eval recommend smollm2 gemma3 -->\n| x |\n|---|", "expected '<!-- kvq-eval recommend MODEL -->'"),
+])
+def test_what_the_json_cannot_give_is_named(folder, text, match):
+    with pytest.raises(ValueError, match=match):
+        refresh_markdown(text, folder, "page.md")

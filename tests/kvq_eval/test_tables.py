@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 
 import pytest
 from scipy.stats import binomtest
@@ -51,8 +52,12 @@ def test_summaries_and_table(folder):
     row = nh["tq_mse4@none"][1024]
     assert row["exact"] == 7 / 12 and row["ci"] == pytest.approx((ci.low, ci.high), abs=1e-12)
     assert row["dlogprob"] == pytest.approx(-0.5) and row["dlogprob_ci"] == pytest.approx((-0.5, -0.5))
+    # the interval is Student's t over the 4 windows (t_3 = 3.182), then 100 (exp(.) - 1)
+    d = [0.05, 0.04, 0.06, 0.05]
+    half = 3.182446305284263 * statistics.stdev(d) / 2
+    assert pp["ci"] == pytest.approx((100 * math.expm1(0.05 - half), 100 * math.expm1(0.05 + half)), rel=1e-9)
     table = markdown_table(res).splitlines()
-    assert table[0].startswith("| entry | bits @1K | Δppl 1K [95% CI] (windows) | KL 1K | cache bits 1K | exact 1K")
+    assert table[0].startswith("| entry | bits @1K | Δppl 1K [95% t-CI] (windows) | KL 1K | cache bits 1K | exact 1K")
     assert table[2].startswith("| fp32 | – | – | – | 32.00 | 0.83 [")
     assert table[3].startswith("| tq_mse4@none | 4.25 | +5.13% [") and table[3].endswith("| 4.25 | 0.58 [0.32, 0.81] (12) | -0.50 [-0.50, -0.50] |")
     assert table[4].startswith("| tq_mse4@64,256 | 6.20 |")
@@ -84,21 +89,24 @@ def test_compare_mcnemar_and_bootstrap(folder, capsys):
     assert main(["compare", str(folder), "tq_mse4@none", "zip@none"]) == 2
 
 
-def test_paired_perplexity_over_window_position_blocks(folder, capsys):
-    """Two entries on the same windows: the paired unit is a (window, position bin) block, whose
-    difference is the difference of the cells' per-bin NLL changes (4 windows x 4 bins here)."""
-    import numpy as np
+def test_paired_perplexity_over_windows(folder, capsys):
+    """Two entries on the same windows: the paired unit is the window (the difference of the two
+    cells' per-window NLL changes), never a block inside one; 4 windows all of one sign give the
+    smallest sign-flip p there is, 2 / 2**4."""
+    from scipy.stats import ttest_1samp
 
     a, b = [0.05, 0.04, 0.06, 0.05], [0.001, 0.002, 0.0, 0.001]
+    d = [x - y for x, y in zip(a, b)]
     cmp = paired_ppl(load_results(folder, "smollm2"), "tq_mse4@none", "tq_mse4@64,256")[1024]
-    blocks = np.array([(x - y) * (1 + k) for x, y in zip(a, b) for k in range(4)])
-    assert cmp["blocks"] == 16 and cmp["windows"] == 4
-    assert cmp["dnll"] == pytest.approx(blocks.mean(), rel=1e-12) and cmp["ci"][0] <= cmp["dnll"] <= cmp["ci"][1]
-    assert cmp["window_dnll"] == pytest.approx([x - y for x, y in zip(a, b)], rel=1e-9)
-    assert cmp["ratio_pct"] == pytest.approx(100 * math.expm1(blocks.mean()), rel=1e-12) and cmp["p"] < 0.01
+    assert "blocks" not in cmp and cmp["windows"] == 4
+    assert cmp["dnll"] == pytest.approx(sum(d) / 4, rel=1e-9) and cmp["ci"][0] <= cmp["dnll"] <= cmp["ci"][1]
+    assert cmp["window_dnll"] == pytest.approx(d, rel=1e-9)
+    assert cmp["p_t"] == pytest.approx(ttest_1samp(d, 0.0).pvalue, rel=1e-9) and cmp["p_signflip"] == 2 / 16
+    assert cmp["ratio_pct"] == pytest.approx(100 * math.expm1(sum(d) / 4), rel=1e-9)
     assert main(["compare", str(folder), "tq_mse4@none", "tq_mse4@64,256"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("| window | windows | blocks |") and f"| 1K | 4 | 16 | {blocks.mean():+.4f} [" in out
+    assert out.startswith("| window | windows | Δ NLL") and f"| 1K | 4 | {sum(d) / 4:+.4f} [" in out
+    assert "| 0.125 |" in out
     assert paired_ppl(load_results(folder, "smollm2"), "tq_mse4@none", "fp32") == {}  # fp32 is every cell's reference
     _write(folder / "smollm2", "ppl/c.json", _ppl("kivi4@none", 1024, [0.01, 0.02], 5.0))
     with pytest.raises(ValueError, match="at 1024 tokens: the two entries hold different windows"):
@@ -190,10 +198,8 @@ def _decode(entry, prefill, dnll, bits, new=64):
 
 
 def test_decode_table_and_paired_decode(folder, capsys):
-    """Long decodes: the perplexity change over the generated tokens with an interval over (window,
-    position bin) blocks, and two entries paired on the same blocks."""
-    import numpy as np
-
+    """Long decodes: the perplexity change over the generated tokens with a t interval over windows,
+    and two entries paired on the same windows."""
     root = folder / "smollm2"
     _write(root, "decode/f.json", _decode("fp32", "exact", [0.0, 0.0], 32.0))
     _write(root, "decode/a.json", _decode("tq_mse4@none", "exact", [0.05, 0.07], 4.25))
@@ -206,18 +212,21 @@ def test_decode_table_and_paired_decode(folder, capsys):
     assert row["ci"][0] < row["dppl"] < row["ci"][1] and row["tokens"] == 128 and row["prefill"] == "exact"
     assert row["kl"] == pytest.approx(0.02) and row["top1"] == pytest.approx(60 / 64) and row["bits"] == 4.25
     table = decode_table(res).splitlines()
-    assert table[0] == "| entry | prefill | prefix + new | bits | Δppl [95% CI] (windows) | KL | top-1 |"
+    assert table[0] == "| entry | prefill | prefix + new | bits | Δppl [95% t-CI] (windows) | KL | top-1 |"
     assert table[2].startswith("| fp32 | exact | 1024 + 64 | 32.00 | +0.00% [+0.00, +0.00] (2) |")
     assert [r.split(" | ")[0] for r in table[3:]] == ["| tq_mse4@none"] * 2 + ["| tq_mse4@none+qprefill"]
     cmp = paired_decode(res, "tq_mse4@none+qprefill", "tq_mse4@none")
     assert list(cmp) == [(1024, 64)]  # only the setting both decoded
-    blocks = np.array([(x - y) * (1 + k) / 2.5 for x, y in zip([0.08, 0.09], [0.05, 0.07]) for k in range(4)])
     c = cmp[(1024, 64)]
-    assert c["blocks"] == 8 and c["dnll"] == pytest.approx(blocks.mean(), rel=1e-12)
+    assert c["windows"] == 2 and c["dnll"] == pytest.approx(0.025, rel=1e-9)
     assert c["window_dnll"] == pytest.approx([0.03, 0.02], rel=1e-9)
     assert main(["table", str(folder), "--decode"]) == 0 and "| tq_mse4@none+qprefill | quantized |" in capsys.readouterr().out
     assert main(["compare", str(folder), "tq_mse4@none+qprefill", "tq_mse4@none"]) == 0
-    assert f"| decode 1024 + 64 | 2 | 8 | {blocks.mean():+.4f} [" in capsys.readouterr().out
+    assert "| decode 1024 + 64 | 2 | +0.0250 [" in capsys.readouterr().out
+    _write(root, "decode/d.json", _decode("kivi4@none", "exact", [0.05], 4.0, new=128))
+    with pytest.raises(ValueError, match="1 window"):
+        paired_decode(load_results(folder, "smollm2"), "kivi4@none", "tq_mse4@none")
+    assert decode_summary(load_results(folder, "smollm2"))["kivi4@none"][(1024, 128)]["ci"] is None
     # an entry on both perplexity windows and needles still prints the needle table after the ppl one
     assert main(["compare", str(folder), "tq_mse4@none", "fp32"]) == 0
     out = capsys.readouterr().out

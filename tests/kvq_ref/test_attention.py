@@ -98,3 +98,35 @@ def test_validation():
     # band larger than the sequence: everything in float16
     big = QuantizedKV.build(K, V, TurboQuantMSE(8, 2), TurboQuantMSE(8, 2), sink=8, window=8)
     assert big.keys is None and big.bits_per_element()["total"] == 16.0
+
+
+def test_a_band_value_past_float16_is_refused_not_nan():
+    """Issue 53: a band value past 65504 was stored as Inf and attention_decode returned NaN."""
+    K, V, q = *_kv(40, 8)[:2], np.ones((1, 8))
+    V = V.copy()
+    V[0, 3] = 7e4  # a sink token
+    with pytest.raises(ValueError, match=r"V: the band tokens \(first 4, last 8\) are kept in float16, but 1 value"):
+        QuantizedKV.build(K, V, TurboQuantMSE(8, 2), TurboQuantMSE(8, 2), sink=4, window=8)
+    K2 = K.copy()
+    K2[20, 0] = -1e5  # a middle token with no method: float16 as well
+    with pytest.raises(ValueError, match="K: the middle tokens"):
+        QuantizedKV.build(K2, V * 0, None, None, sink=4, window=8)
+    V[0, 3] = 65519.0  # rounds to 65504: fits
+    cache = QuantizedKV.build(K, V, TurboQuantMSE(8, 2), TurboQuantMSE(8, 2), sink=4, window=8)
+    assert np.all(np.isfinite(attention_decode(q, cache)))
+    import dataclasses
+    with pytest.raises(ValueError, match="band_values holds NaN/Inf"):
+        dataclasses.replace(cache, band_values=np.full_like(cache.band_values, np.inf))
+
+
+@pytest.mark.parametrize("scale", [float("nan"), 0.0, -0.5, True, float("inf"), "0.3", np.bool_(True)])
+def test_bad_logit_scales_are_refused(scale):
+    """Issue 53: scale NaN, 0, negative or True was accepted (NaN, uniform or inverted attention)."""
+    K, V, Q = _kv(10, 8)
+    cache = QuantizedKV.build(K, V, None, None)
+    for call in (lambda: attention_decode(Q[:1], cache, scale=scale),
+                 lambda: attention_prefill(Q[:3], cache, scale=scale),
+                 lambda: exact_attention(Q[:3], K, V, scale=scale)):
+        with pytest.raises(ValueError, match="scale must be a finite number > 0"):
+            call()
+    assert np.all(np.isfinite(attention_decode(Q[:1], cache, scale=np.float32(0.25))))

@@ -52,3 +52,14 @@ def test_shapes_and_errors():
     bad = Encoded(enc.method, enc.config, enc.shape, {**enc.arrays, "norms": enc.arrays["norms"][..., :1]})
     with pytest.raises(ValueError, match="corrupted buffer"):
         decode_fast(q, bad)
+
+
+@pytest.mark.parametrize("shape", [(0, 64), (3, 0, 64), (0, 2, 64)])
+def test_zero_rows_give_the_reference_encoding(shape):
+    """Issue 53: encode_fast on zero rows raised numpy's reshape error; now it is q.encode's Encoded."""
+    q = TurboQuantMSE(64, 3)
+    enc, ref = encode_fast(q, np.zeros(shape)), q.encode(np.zeros(shape))
+    assert enc.shape == ref.shape and enc.arrays.keys() == ref.arrays.keys()
+    for k in ref.arrays:
+        assert enc.arrays[k].shape == ref.arrays[k].shape and enc.arrays[k].dtype == ref.arrays[k].dtype
+    assert decode_fast(q, enc).shape == shape

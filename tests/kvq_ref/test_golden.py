@@ -76,3 +76,30 @@ def test_cli_golden_through_the_entry_point(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit):
         cli.main(["--help"])
     assert "golden" in capsys.readouterr().out
+
+
+FACT_KEYS = {"method", "source", "golden_format", "settings", "arithmetic", "rules", "not_covered", "gpu_notes",
+             "golden_cases", "golden_fields", "tolerance", "amended"}
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_facts_are_complete(written, method):
+    """facts.json holds what the official facts hold: source (generator, command, seed, the official
+    repository, commit and functions), settings, arithmetic, rules, cases, fields and a tolerance; every
+    output array of every case is named in the fields."""
+    import json
+    import re
+
+    facts = json.loads((written / method / "facts.json").read_text())
+    assert set(facts) == FACT_KEYS and facts["method"] == method
+    src = facts["source"]
+    assert src["seed"] == 3 and src["command"] == f"kvq-codebooks golden --method {method} --seed 3"
+    assert re.fullmatch(r"[0-9a-f]{40}", src["reproduces"]["commit"]) and src["reproduces"]["functions"]
+    assert len(facts["rules"]) >= 4 and all(isinstance(r, str) and len(r) > 40 for r in facts["rules"])
+    assert facts["settings"] and facts["arithmetic"] and facts["tolerance"] and facts["golden_cases"]
+    named = json.dumps(facts["golden_fields"]) + facts["tolerance"]
+    for _, case, _ in cases(method, written):
+        for key in case["outputs"]:
+            stem = re.sub(r"(_bsearch)?(_[a-z0-9]+)?$", "", key) if key.endswith(("_f32", "_f16", "_u8", "_i32", "_f64")) \
+                else re.sub(r"_b\d.*$", "", key)
+            assert stem in named, f"{method}: output {key!r} is not described in golden_fields"

@@ -71,6 +71,19 @@ def test_decode_and_scores(method):
     assert s.shape == (3, 64) and np.all(np.isfinite(s))
 
 
+def test_scores_of_huge_queries_are_finite_where_the_true_scores_are(method):
+    """Issue 53: queries near 1e307 gave NaN/Inf scores (a rotation or sketch of q overflowed) while
+    the true scores are ~1e305. Scores are linear in q: a power-of-two factor comes out exactly."""
+    name, m = method
+    enc = m.encode(_X[:8])
+    q = np.random.default_rng(2).standard_normal((3, 128))
+    big = np.ldexp(q, 1015)  # max |q| ~ 1e306
+    np.testing.assert_array_equal(m.inner_product(big, enc), np.ldexp(m.inner_product(q, enc), 1015))
+    assert np.all(np.isfinite(m.inner_product(big, enc)))
+    with pytest.raises(ValueError, match=r"q: \d+ score\(s\) exceed the float64 range"):
+        m.inner_product(np.full((1, 128), 1.7e308), m.encode(np.full((1, 128), 1e3)))
+
+
 def test_zero_vectors_and_shapes(method):
     name, m = method
     z = m.decode(m.encode(np.zeros((32, 128))))

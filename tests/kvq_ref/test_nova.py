@@ -78,7 +78,7 @@ def test_rates_and_band_accounting(model):
     # one group of D channels: float32 scale and zero (OSCAR's release script), float16 ones (rule="uniform")
     assert Oscar(m.head(0, 0), "key").encode(x).bits_per_element == 2 + 64 / D
     assert Oscar(m.head(0, 0), "key", rule="uniform").encode(x).bits_per_element == 2 + 32 / D
-    # REFERENCE: 2.22 (NOVA-KV) and 2.28 (OSCAR) at 128K tokens with a 16-bit band of 64 + 256 tokens and
+    # docs/references/calibrated.md: 2.22 (NOVA-KV) and 2.28 (OSCAR) at 128K tokens with a 16-bit band of 64 + 256 tokens and
     # d = 128, counting 16-bit gains and scales (gain_dtype="float16", rule="uniform"): per-token rates
     # from the stored layout, band tokens at 16 bits
     n, band = 131072, 64 + 256

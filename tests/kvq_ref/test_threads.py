@@ -11,6 +11,7 @@ from kvq_ref.packing import pack_codes, unpack_codes
 from kvq_ref.rotations import fwht
 from kvq_ref import threads
 from kvq_ref.nova import nearest_centroids
+from kvq_ref.official import bf16_matmul
 from kvq_ref.threads import PARALLEL_MIN_ROWS, rows_parallel
 
 # both sides of the threshold: one row (a decode step), just below it, at it, and well above
@@ -49,20 +50,20 @@ def _outputs(n):
     nearest = np.empty((n, 2), dtype=np.uint8)
     nearest_centroids(shapes, groups, centroids, nearest)
     return [fwht(x), row_norms(x), pack_codes(codes, 3), unpack_codes(pack_codes(codes, 3), 3, 64),
-            *enc.arrays.values(), decode_fast(q, enc), nearest]
+            *enc.arrays.values(), decode_fast(q, enc), nearest, bf16_matmul(x, rng.standard_normal((64, 32)))]
 
 
 @pytest.mark.parametrize("n", ROWS)
 def test_kernels_identical_on_one_and_all_threads(n, monkeypatch):
     """Each row is computed alone, so the thread count cannot change a bit: every wrapped kernel
-    (fwht, row norms, packing, the fused TurboQuant encode/decode, NOVA's nearest centroids) run
-    with the threshold forcing one thread and forcing all of them."""
+    (fwht, row norms, packing, the fused TurboQuant encode/decode, NOVA's nearest centroids, OSCAR's
+    bf16 GEMM) run with the threshold forcing one thread and forcing all of them."""
     if numba.get_num_threads() < 2:
         pytest.skip("one Numba thread: nothing to compare")
     monkeypatch.setattr(threads, "PARALLEL_MIN_ROWS", 10**9)
     one = _outputs(n)
     monkeypatch.setattr(threads, "PARALLEL_MIN_ROWS", 0)
     many = _outputs(n)
-    assert len(one) == len(many) == 8
+    assert len(one) == len(many) == 9
     for a, b in zip(one, many):
         assert a.dtype == b.dtype and np.array_equal(a, b)

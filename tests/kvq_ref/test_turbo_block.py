@@ -27,7 +27,7 @@ FMTS = ("turbo2", "turbo3", "turbo4")
 # (profile, fmt, block): the fork profiles hold 128 values per block, profile kvq also 32
 CASES = [(p, f, 128) for p in PROFILES for f in FMTS] + [(KVQ, f, 32) for f in FMTS]
 IDS = [f"{p}-{f}-{b}" for p, f, b in CASES]
-# bytes per block and bits per value: REFERENCE.md section 5 and the module docstring
+# bytes per block and bits per value: docs/references/turboquant.md and the module docstring
 LAYOUT = {("turbo2", 128): (34, 2.125), ("turbo3", 128): (50, 3.125), ("turbo4", 128): (68, 4.25),
           ("turbo2", 32): (10, 2.5), ("turbo3", 32): (14, 3.5), ("turbo4", 32): (18, 4.5)}
 U32 = 2.0**-24  # float32 unit roundoff
@@ -77,8 +77,8 @@ def _rotation_matrix(tb: TurboBlock) -> np.ndarray:
 
 
 def _table(tb: TurboBlock):
-    """(levels, thresholds) float64 from outside kvq_ref: the fork's 6-decimal tables (REFERENCE /
-    facts: the fork's float32 literals) or the exact lloyd_max table (the spec's: correctly
+    """(levels, thresholds) float64 from outside kvq_ref: the fork's 6-decimal tables (the
+    fork's facts: its float32 literals) or the exact lloyd_max table (the spec's: correctly
     rounded) rounded like the profile's arithmetic."""
     if tb.spec.tables is None:
         cb = lloyd_max(SphereMarginal(tb.block), tb.bits, exact=True)
@@ -263,6 +263,73 @@ def test_fp16_overflow_is_refused(profile):
         assert np.all(np.isfinite(tb.unpack(tb.encode(x).arrays["blocks"])[1]))
 
 
+def _facts_inverse32(y, s1, s2):
+    """The original-domain rule written as loops over pairs, float32 (module Notes)."""
+    y = (y.astype(np.float32) * np.array(s2, np.float32)).copy()
+    h = 1
+    while h < y.shape[1]:
+        for i in range(0, y.shape[1], 2 * h):
+            for j in range(i, i + h):
+                a, b = y[:, j].copy(), y[:, j + h].copy()
+                y[:, j], y[:, j + h] = a + b, a - b
+        h *= 2
+    return y * (np.float32(1 / math.sqrt(y.shape[1])) * np.array(s1, np.float32))
+
+
+@pytest.mark.parametrize("profile", (FORK, EXACT))
+@pytest.mark.parametrize("fmt", FMTS)
+def test_fork_nonfinite_norms_are_read_as_the_fork_decodes(profile, fmt):
+    """Blocks with +Inf, NaN and -NaN norms (the fork writes them) are read; the rotated decode is
+    levels[idx] * norm in float32 (+-Inf, NaN), the original domain the inverse rule on those values."""
+    tb = TurboBlock(fmt, profile=profile)
+    x = np.random.default_rng(1).standard_normal((4, 128))
+    raw = bytearray(tb.to_bytes(tb.encode(x)))
+    nb = tb.bytes_per_block
+    for i, half in enumerate((0x7C00, 0x7E00, 0xFE00)):
+        raw[(i + 1) * nb:(i + 1) * nb + 2] = struct.pack("<H", half)
+    enc = tb.from_bytes(bytes(raw), x.shape)
+    idx, norms = tb.unpack(enc.arrays["blocks"])
+    rot = tb.decode_rotated(enc)
+    lev = tb.levels[idx]
+    assert np.array_equal(rot[0], lev[0] * norms[0].astype(np.float32))
+    assert np.all(rot[1] == np.where(lev[1] > 0, np.inf, -np.inf))  # +Inf norm: +-Inf by the level's sign
+    assert np.all(np.isnan(rot[2:])) and np.all(np.signbit(rot[3])) and not np.any(np.signbit(rot[2]))
+    with np.errstate(invalid="ignore"):
+        want = _facts_inverse32(rot, tb.spec.signs[0], tb.spec.signs[1])
+    np.testing.assert_array_equal(tb.decode(enc), want)  # NaN where Inf - Inf, NaN rows stay NaN
+    assert np.all(np.isfinite(tb.decode(enc)[0]))
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_overflow_fork_writes_what_the_rules_say(fmt):
+    """overflow='fork' follows the fork's rule where it writes non-finite norms (module Notes); the
+    compiled fork's bytes on the same rows are checked in tests/interop/test_llama_cpp_rewrite.py."""
+    tb, K = TurboBlock(fmt, overflow="fork"), 1 << FMTS.index(fmt) + 2
+    rng = np.random.default_rng(2)
+    base = rng.standard_normal(128)
+    rows = np.stack([base * 1e5 / np.linalg.norm(base),  # gamma > 65504: +Inf, ordinary codes
+                     base * 1e20,                          # n^2 overflows: u = 0, middle cell, +Inf
+                     np.where(np.arange(128) == 5, np.inf, base),   # Inf input: NaN u, last cell, +Inf
+                     np.where(np.arange(128) == 5, np.nan, base),   # NaN input: NaN norm
+                     np.where(np.arange(128) == 3, -np.nan, base)])
+    enc = tb.encode(rows)
+    idx, norms = tb.unpack(enc.arrays["blocks"])
+    bits = norms.view(np.uint16)
+    assert list(bits) == [0x7C00, 0x7C00, 0x7C00, 0x7E00, 0xFE00]
+    ok = TurboBlock(fmt).encode(rows[:1] / 16)  # a power of two: the same float32 unit vector
+    assert np.array_equal(idx[0], TurboBlock(fmt).unpack(ok.arrays["blocks"])[0][0])
+    assert np.all(idx[1] == K // 2) and np.all(idx[2] == K - 1)
+    nan_idx = K // 2 if fmt == "turbo4" else K - 1  # turbo4 zeroes u (zero_unit), turbo2/3 compute x * 0
+    assert np.all(idx[3:] == nan_idx)
+    for bad in rows:  # the default refuses each of them
+        with pytest.raises(ValueError, match="NaN or Inf|overflows float16"):
+            TurboBlock(fmt).encode(bad[None])
+    with pytest.raises(ValueError, match="overflow must be"):
+        TurboBlock(fmt, overflow="inf")
+    with pytest.raises(ValueError, match="float64 arithmetic"):
+        TurboBlock(fmt, profile=KVQ, overflow="fork")
+
+
 def test_float32_rounding_of_the_input():
     """The fork's rule reads float32: float64, float16 and bfloat16 inputs give the bytes of their
     float32 rounding."""
@@ -305,7 +372,7 @@ def test_unit_vector_mse_matches_the_table(case):
     3. The mean of e_nc equals an independent Monte Carlo of the same estimator (fresh unit
        vectors quantized in the rotated domain straight from the table) within 4.5 combined SE.
     Measured E[e_nc] / (block * mse) - 1 under kvq: +2.7%, -0.3%, -1.7% for turbo2/3/4 at 128
-    (REFERENCE: +2.4%, -0.4%, -1.5%) and +0.2%, -4.3%, -6.8% at 32 values.
+    (docs/references/turboquant.md: +2.4%, -0.4%, -1.5%) and +0.2%, -4.3%, -6.8% at 32 values.
     """
     tb = _tb(case, seed=3) if case[0] == KVQ else _tb(case)
     block = tb.block
@@ -473,13 +540,16 @@ def test_corrupted_buffers_are_refused(case):
         tb.from_bytes(raw + b"\x00" * nb, (4, block))
     with pytest.raises(ValueError, match="shape must end in block"):
         tb.from_bytes(raw, (4 * block // 8, 8))
-    for half in (0x7E00, 0x7C00, 0xFC00, 0xBC00, 0x8000):  # NaN, +Inf (the fork's overflow), -Inf, -1.0, -0.0
+    # norms no encoder of the profile writes: -Inf, -1.0, -0.0 (and NaN, +Inf under the float64 profile;
+    # the fork writes those, so its profiles read them: test_fork_nonfinite_norms_are_read_as_the_fork_decodes)
+    never = (0xFC00, 0xBC00, 0x8000) + ((0x7E00, 0x7C00) if case[0] == KVQ else ())
+    for half in never:
         bad = bytearray(raw)
         bad[2 * nb:2 * nb + 2] = struct.pack("<H", half)  # norm field of the third block
-        with pytest.raises(ValueError, match="norm is NaN/Inf or negative"):
+        with pytest.raises(ValueError, match="norm is (NaN/Inf or )?negative"):
             tb.from_bytes(bytes(bad), (4, block))
         blocks = np.frombuffer(bytes(bad), np.uint8).reshape(4, nb).copy()
-        with pytest.raises(ValueError, match="norm is NaN/Inf or negative"):  # also when built directly
+        with pytest.raises(ValueError, match="norm is (NaN/Inf or )?negative"):  # also when built directly
             tb.decode(Encoded(enc.method, enc.config, enc.shape, {"blocks": blocks}))
     if case[1:] == ("turbo4", 128):
         bad = bytearray(raw)

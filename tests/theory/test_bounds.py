@@ -96,7 +96,7 @@ def test_prod_bounds_order():
     refined = turboquant_prod_refined(b, d)
     assert np.all(inner_product_lower_bound(b.astype(float), d) < exact)
     assert np.all(exact < refined) and np.all(refined <= turboquant_prod_bound(b.astype(float), d))
-    # REFERENCE.md: ~1.57/d, 0.56/d, 0.18/d at b = 1..3 (the paper rounds D_mse(2) to 0.117)
+    # docs/references/quantization.md: ~1.57/d, 0.56/d, 0.18/d at b = 1..3 (the paper rounds D_mse(2) to 0.117)
     assert np.allclose(d * refined[:3], [1.5708, 0.5669, 0.1822], atol=5e-4)
     assert sphere_unit_distortion(d, 0) == 1.0
 

@@ -23,7 +23,7 @@ def test_one_bit_norm_correction_is_exact():
 @pytest.mark.parametrize("bits, lo, hi", [(1, 0.10, 0.12), (2, 0.02, 0.03), (3, -0.006, -0.003),
                                           (4, -0.017, -0.013)])
 def test_norm_correction_sign_flips_between_2_and_3_bits(bits, lo, hi):
-    """REFERENCE.md section 4 (measured): +11 %, +2.4 %, -0.4 %, -1.5 % at d = 128."""
+    """docs/references/turboquant.md (measured): +11 %, +2.4 %, -0.4 %, -1.5 % at d = 128."""
     r = norm_correction_effect(128, bits, n=20_000, seed=bits)
     assert r.change_se < 0.1 * (hi - lo)
     assert lo < r.change < hi

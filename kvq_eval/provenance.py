@@ -1,0 +1,76 @@
+"""What a result cell was computed with: protocol, code, thread settings, library versions and the
+digests of the calibration artifacts it read (issue 56: cells that reproduce).
+
+Every entry the runner writes carries ``provenance(...)``; ``kvq-eval run --reuse`` and the
+reproduction test compare these records before trusting a stored number.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from functools import lru_cache
+from pathlib import Path
+
+__all__ = ["PROTOCOL", "environment", "artifact_digest", "provenance"]
+
+#: The evaluation protocol the runner implements (3: window-level statistics, short perplexity
+#: windows on their own text, the long needle haystack beyond 4K tokens, provenance records).
+PROTOCOL = 3
+
+
+@lru_cache(maxsize=1)
+def _code() -> str | None:
+    """``<commit>`` of the checkout the package runs from, ``+dirty`` when it has changes to tracked
+    files outside ``results/``; None outside a git checkout."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                              text=True, timeout=10)
+        if head.returncode != 0:
+            return None
+        # results are not code: a run writing into results/ (or a checkout without them) is clean
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no", "--",
+                                ".", ":(exclude)results"], capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty else "")
+
+
+def environment() -> dict:
+    """Protocol, code commit, the CPU kernels torch dispatches to (``cpu``: e.g. ``AVX512``), thread
+    counts (torch, Numba, ``OMP_NUM_THREADS``) and versions: what the float32 forward's last bits
+    depend on (and quantized results amplify)."""
+    import numba
+    import numpy
+    import torch
+    import transformers
+
+    return {"protocol": PROTOCOL, "code": _code(), "cpu": torch.backends.cpu.get_cpu_capability(),
+            "threads": {"torch": torch.get_num_threads(), "numba": numba.get_num_threads(),
+                        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")},
+            "versions": {"numpy": numpy.__version__, "torch": torch.__version__,
+                         "transformers": transformers.__version__}}
+
+
+def artifact_digest(folder) -> str:
+    """The ``manifest_sha256`` of an artifact folder (``codebooks.artifacts``): a digest of every
+    array it holds (their sha256 are in the manifest)."""
+    path = Path(folder) / "manifest.json"
+    try:
+        digest = json.loads(path.read_text())["manifest_sha256"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise ValueError(f"{path}: not a readable artifact manifest") from None
+    if not isinstance(digest, str):
+        raise ValueError(f"{path}: manifest_sha256 must be a string")
+    return digest
+
+
+def provenance(env: dict, artifacts: dict | None = None) -> dict:
+    """An entry's record: ``env`` (``environment()``, computed once per run) and, for calibrated
+    methods, ``artifacts`` (name -> ``artifact_digest``)."""
+    out = dict(env)
+    if artifacts:
+        out["artifacts"] = dict(sorted(artifacts.items()))
+    return out

@@ -1,0 +1,103 @@
+"""Which setting to deploy: the cheapest stored-bits entry within a perplexity target (``kvq-eval recommend``).
+
+For each target (a perplexity increase over fp32 in %, at one window length, 8K by default) and
+each band class (no 16-bit band; any band), the entry with the fewest stored bits whose
+perplexity change is within the target *at the upper end of its 95 % t interval over windows*
+(``kvq_eval.stats``): a setting that only meets the target on average is not recommended. With it,
+its needle recall (exact match of the single needle, Wilson interval) and the answer's
+log-probability change against fp32 at the contexts where it has samples.
+"""
+
+from __future__ import annotations
+
+from .grid import parse_entry
+from .plot import _ctx, niah_summary, ppl_summary
+
+__all__ = ["recommend", "recommend_table", "TARGETS", "BAND_CLASSES"]
+
+TARGETS = (0.5, 1.0, 3.0)
+BAND_CLASSES = ("none", "band")
+MIN_WINDOWS = 4  # fewer windows give no usable upper bound (t_{n-1} grows fast below 4)
+
+
+def _band_class(entry: str) -> str:
+    band = parse_entry(entry)[1]
+    return "none" if band is not None and band.label == "none" else "band"
+
+
+def recommend(res: dict, targets=TARGETS, tokens: int = 8192, contexts=(4096, 8192)) -> list[dict]:
+    """One row per (target, band class): the cheapest entry meeting the target, or ``entry`` None.
+
+    Parameters
+    ----------
+    res : dict
+        ``plot.load_results`` of one model.
+    targets : sequence of float > 0
+        Perplexity increases over fp32, in %.
+    tokens : int
+        Window length of the perplexity cells the targets apply to.
+    contexts : sequence of int
+        Needle contexts whose single-needle recall is reported.
+
+    Returns
+    -------
+    list of dict
+        ``target``, ``band`` (``"none"``/``"band"``), ``entry``, ``bits``, ``dppl``, ``ci``,
+        ``windows`` and ``needles`` (``{context: niah_summary row}``); ``candidates``: how many
+        entries of the band class have a cell of at least ``MIN_WINDOWS`` windows (0: none yet).
+    """
+    for t in targets:
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+            raise ValueError(f"targets must be positive percentages, got {t!r}")
+    pp = ppl_summary(res)
+    cand = [(e, by[tokens]) for e, by in pp.items()
+            if tokens in by and by[tokens]["ci"] is not None and by[tokens]["windows"] >= MIN_WINDOWS]
+    nh = niah_summary([c for c in res["niah"] if c["variant"] == "single"])
+    rows = []
+    for t in targets:
+        for cls in BAND_CLASSES:
+            ok = [(p["bits"], e, p) for e, p in cand if _band_class(e) == cls and p["ci"][1] <= t]
+            row = {"target": float(t), "band": cls, "entry": None, "candidates": sum(_band_class(e) == cls for e, _ in cand)}
+            if ok:
+                bits, e, p = min(ok, key=lambda x: (x[0], x[1]))
+                row.update(entry=e, bits=bits, dppl=p["dppl"], ci=p["ci"], windows=p["windows"],
+                           needles={c: nh[e][c] for c in contexts if c in nh.get(e, {})})
+            rows.append(row)
+    return rows
+
+
+def recommend_table(res: dict, targets=TARGETS, tokens: int = 8192, contexts=(4096, 8192)) -> str:
+    """``recommend`` as a Markdown table."""
+    head = ["target", "16-bit band", "setting", "stored bits", f"Δppl {_ctx(tokens)} [95% t-CI] (windows)"]
+    for c in contexts:
+        head += [f"needle exact {_ctx(c)} [Wilson 95%] (n)", f"Δlog-prob {_ctx(c)} [95% t-CI]"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in recommend(res, targets, tokens, contexts):
+        label = "none" if r["band"] == "none" else "allowed"
+        if r["entry"] is None:
+            why = "none meets it" if r["candidates"] else f"no {_ctx(tokens)} cell yet"
+            cells = [f"≤ {r['target']:g} %", label, why, "–", "–"] + ["–", "–"] * len(contexts)
+        else:
+            cells = [f"≤ {r['target']:g} %", label, r["entry"], f"{r['bits']:.2f}",
+                     f"{r['dppl']:+.2f}% [{r['ci'][0]:+.2f}, {r['ci'][1]:+.2f}] ({r['windows']})"]
+            for c in contexts:
+                x = r["needles"].get(c)
+                if x is None:
+                    cells += ["–", "–"]
+                    continue
+                cells.append(f"{x['exact']:.2f} [{x['ci'][0]:.2f}, {x['ci'][1]:.2f}] ({x['n']})")
+                cells.append("–" if "dlogprob" not in x else
+                             f"{x['dlogprob']:+.2f} [{x['dlogprob_ci'][0]:+.2f}, {x['dlogprob_ci'][1]:+.2f}]")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def parse_targets(text: str) -> list[float]:
+    """``"0.5,1,3"`` -> [0.5, 1.0, 3.0] (``ValueError`` naming ``--targets`` otherwise)."""
+    try:
+        out = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--targets: expected positive numbers separated by commas, got {text!r}") from None
+    if not out or any(not (x > 0 and x < float("inf")) for x in out):
+        raise ValueError(f"--targets: expected positive numbers separated by commas, got {text!r}")
+    return out
