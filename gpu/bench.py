@@ -8,22 +8,29 @@ Run on a machine with a CUDA GPU, from the repository root (under 5 minutes on a
 
 What it does, in order:
 
-1. Device facts and the measured copy bandwidth (``dst.copy_(src)`` of 1 GiB; read + written bytes
-   over the median of CUDA-event timings).
+1. Device facts, the measured copy bandwidth (``dst.copy_(src)`` of 1 GiB; read + written bytes over
+   the median of CUDA-event timings) and a read-only streaming probe (``torch.sum`` over 2 GiB: bytes
+   read over the median), the roofline the decode kernels are judged against, with the spec
+   (``SPEC_BPS``: 4.8 TB/s for an H200).
 2. Correctness before any timing: ``quantize_mse`` and ``append_encoded`` bit-exact with
    ``TurboQuantMSE.encode``; ``decode_attention_mse`` (contiguous) and ``paged_decode_attention``
    within 2e-3 relative of ``kvq_ref.attention.attention_decode`` (the default fp16 tensor-core
-   operands round to 2^-11; measured 3-4e-4 under the interpreter).
+   operands round to 2^-11; measured 3-4e-4 under the interpreter); for the CUDA backend,
+   ``append_fragment`` read back bit-exact and ``fragment_decode_attention`` within 2e-3.
 3. Decode attention, paged (pages of 256 tokens in a shuffled block table), head_dim 128, GQA group 4,
-   8 KV heads, for each batch x context x bits (K and V at the same width), and fp16 SDPA pinned to
-   the FlashAttention backend on the same shapes (the group folded into the query length, so the
-   fp16 K/V is read once per KV head) with its own GB/s.
+   8 KV heads, for each batch x context x bits (K and V at the same width) and backend
+   (``paged_decode_attention(..., backend="triton" | "cuda")``: gpu.triton.cache's kernels, or the CUDA
+   fragment kernel of gpu.cuda.fragment_cache), and fp16 SDPA pinned to the FlashAttention backend on
+   the same shapes (the group folded into the query length, so the fp16 K/V is read once per KV head)
+   with its own GB/s. Each row reports its fraction of the read probe and of the spec, and its
+   speedup against FlashAttention and against the ideal fp16 read (fp16 K/V bytes at the spec).
 4. Append throughput: ``append_encoded`` of 16 x 8 heads x 2048 new tokens (fp16 in, codes + norms
    out), GB/s of bytes read + written, against the copy bandwidth.
 
 Timing: every call is captured once in a CUDA graph (no Python or allocation in the timed region);
-each repetition first flushes L2 by writing a 256 MiB buffer, then CUDA events bracket one graph
-replay; the median over the repetitions is reported (a call slower than 0.5 s stops its repetitions).
+each repetition first flushes L2 by reading a 256 MiB buffer (a write would leave dirty lines for the
+timed call to write back), then CUDA events bracket one graph replay; the median over the repetitions
+is reported (a call slower than 0.5 s stops its repetitions).
 Cache contents for timing are random codes and norms (the kernels' time does not depend on values;
 correctness is step 2's job).
 
@@ -48,6 +55,25 @@ from pathlib import Path
 
 TARGETS = {"fraction_of_reference_bandwidth_at_32k_plus": 0.7, "speedup_vs_sdpa_4bit": 3.0,
            "speedup_vs_sdpa_2bit": 5.0, "append_fraction_of_reference_bandwidth": 0.5}
+SPEC_BPS = {"H200": 4.8e12, "H100": 3.35e12}  # HBM bandwidth by device name (the first that matches)
+BACKENDS = ("triton", "cuda")
+
+
+def spec_bandwidth(name: str):
+    """The HBM spec (bytes/s) of a device name, or None when unknown."""
+    return next((v for k, v in SPEC_BPS.items() if k in name), None)
+
+
+def paged_decode_attention(q, cache, ktable, vtable, *, backend: str = "triton", **kwargs):
+    """Decode attention over a paged cache by backend: "triton" (``gpu.triton.cache.PagedKVCache``) or
+    "cuda" (``gpu.cuda.fragment_cache.FragmentKVCache``, the fragment layout)."""
+    if backend == "triton":
+        from gpu.triton.cache import paged_decode_attention as run
+    elif backend == "cuda":
+        from gpu.cuda.fragment_cache import fragment_decode_attention as run
+    else:
+        raise ValueError(f"backend must be 'triton' or 'cuda', got {backend!r}")
+    return run(q, cache, ktable, vtable, **kwargs)
 
 
 def _parse(argv):
@@ -61,18 +87,21 @@ def _parse(argv):
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--page-size", type=int, default=256)
     p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--backends", default=None, help="triton,cuda (default: cuda too when nvcc is found)")
     p.add_argument("--quick", action="store_true", help="32K tokens, 2 and 4 bits, batch 1 (check_device.sh)")
     p.add_argument("--dry-run", action="store_true", help="CPU interpreter, tiny shapes (plumbing check)")
     return p.parse_args(argv)
 
 
 class Timer:
-    """Median GPU time of a callable: CUDA graph, L2 flush before each replay, events around it."""
+    """Median GPU time of a callable: CUDA graph, L2 flush before each replay (by reading 256 MiB: a
+    write would leave dirty lines the timed call writes back), events around it."""
 
     def __init__(self, cuda: bool, repeats: int):
         import torch
         self.torch, self.cuda, self.repeats = torch, cuda, repeats
-        self.flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda") if cuda else None
+        self.flush = torch.ones(64 << 20, dtype=torch.float32, device="cuda") if cuda else None
+        self.sink = torch.zeros((), dtype=torch.float32, device="cuda") if cuda else None
 
     def __call__(self, fn) -> float:
         torch = self.torch
@@ -94,7 +123,7 @@ class Timer:
         torch.cuda.synchronize()
         times = []
         for _ in range(self.repeats):
-            self.flush.zero_()
+            torch.sum(self.flush, dim=0, out=self.sink)  # reads the buffer, writes 4 bytes
             start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             graph.replay()
@@ -161,6 +190,57 @@ def _checks(dev, d, g, bits_list):
     return checks
 
 
+def _checks_cuda(dev, d, g, bits_list):
+    """The CUDA fragment backend's correctness gate: append read back bit-exact, attention vs kvq_ref."""
+    import numpy as np
+    import torch
+
+    from gpu.cuda.fragment_cache import FragmentKVCache, append_fragment, fragment_decode_attention, read_rows
+    from kvq_ref import QuantizedKV, TurboQuantMSE, attention_decode
+
+    rng = np.random.default_rng(1)
+    checks = []
+    for bits in bits_list:
+        q = TurboQuantMSE(d, bits)
+        cache = FragmentKVCache.allocate(q, q, 2, 1, num_pages=10, page_size=32, pages_per_seq=4, device=dev)
+        cache.block_table.copy_(torch.randperm(10)[:8].reshape(2, 4).to(torch.int32))
+        K, V = rng.standard_normal((2, 2, 70, 1, d)).astype(np.float16)
+        for a, b in ((0, 37), (37, 70)):
+            append_fragment(cache, torch.from_numpy(K[:, a:b]).to(dev), torch.from_numpy(V[:, a:b]).to(dev))
+        rows = read_rows(cache, 1, 0)
+        exact = bool(np.array_equal(rows[0], q.encode(K[1, :, 0]).arrays["codes"])
+                     and np.array_equal(rows[2], q.encode(V[1, :, 0]).arrays["codes"]))
+        qp = rng.standard_normal((2, 1, 1, g, d)).astype(np.float32)
+        out = fragment_decode_attention(torch.from_numpy(qp).to(dev), cache).float().cpu().numpy()
+        rel = 0.0
+        for s in range(2):
+            ref = attention_decode(qp[s, 0, 0].astype(np.float64),
+                                   QuantizedKV.build(K[s, :, 0].astype(np.float64), V[s, :, 0].astype(np.float64), q, q))
+            rel = max(rel, float(np.linalg.norm(out[s, 0, 0] - ref) / np.linalg.norm(ref)))
+        checks.append({"backend": "cuda", "bits": bits, "append_bit_exact": exact, "paged_attention_rel_err": rel,
+                       "ok": exact and rel < 2e-3})
+    return checks
+
+
+def _random_fragment(q, batch, heads, n, page, dev):
+    """A fragment-layout cache of ``n`` tokens per sequence, random bytes (codes and norms), shuffled pages."""
+    import torch
+
+    from gpu.cuda.fragment_cache import FragmentKVCache
+
+    page = max(32, page)
+    per_seq = -(-n // page)
+    c = FragmentKVCache.allocate(q, q, batch, heads, num_pages=batch * per_seq, page_size=page,
+                                 pages_per_seq=per_seq, device=dev)
+    c.block_table.copy_(torch.randperm(batch * per_seq, device=dev).to(torch.int32).reshape(batch, per_seq))
+    c.kv.copy_(torch.randint(0, 256, c.kv.shape, dtype=torch.uint8, device=dev))
+    # norms: float16 in [0.5, 1.5) (random bytes could be inf or NaN), at the tile's last 64 bytes
+    norms = c.kv[..., -64:].view(torch.float16)
+    norms.copy_((torch.rand(norms.shape, device=dev) + 0.5).to(torch.float16))
+    c.seq_lens.fill_(n)
+    return c
+
+
 def _random_paged(q, batch, heads, n, page, dev):
     """A paged cache of ``n`` encoded tokens per sequence with random codes/norms and shuffled pages."""
     import torch
@@ -176,6 +256,27 @@ def _random_paged(q, batch, heads, n, page, dev):
         norms.copy_((torch.rand(norms.shape, device=dev) + 0.5).to(norms.dtype))
     c.seq_lens.fill_(n)
     return c
+
+
+def _backends(args, cuda: bool) -> tuple:
+    """The decode backends to time: --backends, else triton and (with nvcc) cuda; the dry run checks the
+    CUDA one on the host emulation (KVQ_CUDA_HOST_EMULATION=1) when g++ is there."""
+    import shutil
+
+    from gpu.cuda.binding import HOST_EMULATION_ENV, find_nvcc
+
+    if args.backends:
+        out = tuple(b.strip() for b in args.backends.split(","))
+        bad = [b for b in out if b not in BACKENDS]
+        if bad:
+            raise SystemExit(f"unknown backends {bad}: choose from {BACKENDS}")
+    elif cuda:
+        out = BACKENDS if find_nvcc() else ("triton",)
+    else:
+        out = BACKENDS if shutil.which("g++") else ("triton",)
+    if not cuda and "cuda" in out:
+        os.environ[HOST_EMULATION_ENV] = "1"
+    return out
 
 
 def _add_reference_bandwidth(result: dict) -> None:
@@ -202,7 +303,7 @@ def main(argv=None) -> dict:
     import torch
 
     from gpu.tables import load_device_table
-    from gpu.triton.cache import append_encoded, paged_decode_attention
+    from gpu.triton.cache import append_encoded
     from kvq_ref import TurboQuantMSE
 
     cuda = torch.cuda.is_available() and not args.dry_run
@@ -215,13 +316,14 @@ def main(argv=None) -> dict:
     bit_list = [int(b) for b in args.bits.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
     timed = Timer(cuda, args.repeats)
+    backends = _backends(args, cuda)
     result = {"benchmark": "paged TurboQuantMSE decode attention vs fp16 FlashAttention SDPA", "dry_run": args.dry_run,
               "command": shlex.join(["python", "gpu/bench.py", *(sys.argv[1:] if argv is None else argv)]),
               "device": torch.cuda.get_device_name() if cuda else f"cpu-interpreter ({platform.machine()})",
               "torch": torch.__version__, "triton": __import__("triton").__version__, "d": d, "group": g,
               "kv_heads": hkv, "page_size": args.page_size, "repeats": args.repeats,
-              "timing": "CUDA graph replay, L2 flushed (256 MiB write) before each, CUDA events, median",
-              "targets": TARGETS}
+              "timing": "CUDA graph replay, L2 flushed (256 MiB read) before each, CUDA events, median",
+              "targets": TARGETS, "backends": list(backends)}
     # 1. copy bandwidth
     nbytes = (1 << 30) if cuda else (1 << 20)
     src = torch.empty(nbytes, dtype=torch.uint8, device=dev)
@@ -229,6 +331,13 @@ def main(argv=None) -> dict:
     t = timed(lambda: dst.copy_(src))
     result["copy_bandwidth_gbs"] = 2 * nbytes / t / 1e9
     del src, dst
+    probe = torch.ones((2 << 30) // 4 if cuda else 1 << 18, dtype=torch.float32, device=dev)
+    sink = torch.zeros((), dtype=torch.float32, device=dev)
+    t = timed(lambda: torch.sum(probe, dim=0, out=sink))
+    result["read_probe_gbs"] = probe.numel() * 4 / t / 1e9
+    del probe
+    spec = spec_bandwidth(result["device"]) if cuda else None
+    result["spec_gbs"] = spec / 1e9 if spec else None
     name = re.sub(r"[^A-Za-z0-9]+", "_", result["device"]).strip("_").lower()
     suffix = "dryrun" if args.dry_run else name + ("_quick" if args.quick else "")
     path = args.out / f"bench_{suffix}.json"
@@ -242,6 +351,8 @@ def main(argv=None) -> dict:
     save()
     # 2. correctness
     result["checks"] = _checks(dev, d, g, bit_list)
+    if "cuda" in backends:
+        result["checks"] += _checks_cuda(dev, d, g, bit_list)
     if not all(c["ok"] for c in result["checks"]):
         print("kernels disagree with kvq_ref; not timing", file=sys.stderr)
         (args.out / "bench_failed_checks.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -264,19 +375,31 @@ def main(argv=None) -> dict:
                 del kk, vv
             for bits in bit_list:
                 q, table = TurboQuantMSE(d, bits), load_device_table(d, bits, device=dev)
-                cache = _random_paged(q, b, hkv, n, args.page_size, dev)
-                t = timed(lambda: paged_decode_attention(qry, cache, table, table, max_seq_len=n))
-                # bytes the kernel reads: each token's K and V rows (padded layout) and two norms
-                moved = b * hkv * n * (cache.k_codes.shape[3] + cache.v_codes.shape[3]
-                                       + cache.k_norms.element_size() + cache.v_norms.element_size())
-                bw = moved / t / 1e9
-                result["decode"].append({
-                    "batch": b, "context": n, "bits": bits, "seconds": t, "bytes": moved, "bandwidth_gbs": bw,
-                    "fraction_of_copy_bandwidth": bw / result["copy_bandwidth_gbs"],
-                    "sdpa_fp16_seconds": t_sdpa, "sdpa_backend": backend, "sdpa_bytes": sdpa_bytes,
-                    "sdpa_bandwidth_gbs": sdpa_bytes / t_sdpa / 1e9, "speedup_vs_sdpa": t_sdpa / t})
-                save()
-                del cache
+                for kind in backends:
+                    if args.dry_run and kind == "cuda" and b > 1:
+                        continue  # the host emulation is slow: one batch is plumbing enough
+                    make = _random_fragment if kind == "cuda" else _random_paged
+                    cache = make(q, b, hkv, n, args.page_size, dev)
+                    t = timed(lambda: paged_decode_attention(qry, cache, table, table, backend=kind, max_seq_len=n))
+                    # bytes the kernel reads per token and KV head: K and V codes (Triton: rows padded to
+                    # 16 bytes; CUDA: the tile's share) and the two float16 norms
+                    if kind == "cuda":
+                        per = cache.kv.shape[3] / 16
+                    else:
+                        per = (cache.k_codes.shape[3] + cache.v_codes.shape[3] + cache.k_norms.element_size()
+                               + cache.v_norms.element_size())
+                    moved = int(b * hkv * n * per)
+                    bw = moved / t / 1e9
+                    result["decode"].append({
+                        "backend": kind, "batch": b, "context": n, "bits": bits, "seconds": t, "bytes": moved,
+                        "bandwidth_gbs": bw, "fraction_of_copy_bandwidth": bw / result["copy_bandwidth_gbs"],
+                        "fraction_of_read_probe": bw / result["read_probe_gbs"],
+                        "fraction_of_spec": bw * 1e9 / spec if spec else None,
+                        "sdpa_fp16_seconds": t_sdpa, "sdpa_backend": backend, "sdpa_bytes": sdpa_bytes,
+                        "sdpa_bandwidth_gbs": sdpa_bytes / t_sdpa / 1e9, "speedup_vs_sdpa": t_sdpa / t,
+                        "speedup_vs_ideal_fp16": sdpa_bytes / spec / t if spec else None})
+                    save()
+                    del cache
     # 4. append throughput
     rows_b, rows_t = (16, 2048) if cuda else (2, 8)
     result["append"] = []
@@ -296,19 +419,25 @@ def main(argv=None) -> dict:
         save()
         del cache, k, v
     _add_reference_bandwidth(result)
-    long = [r for r in result["decode"] if r["context"] >= 32768]
-    result["met"] = None if not cuda else {
-        "bandwidth": all(r["fraction_of_reference_bandwidth"] >= 0.7 for r in long),
-        "speedup_4bit": all(r["speedup_vs_sdpa"] >= 3.0 for r in long if r["bits"] == 4),
-        "speedup_2bit": all(r["speedup_vs_sdpa"] >= 5.0 for r in long if r["bits"] == 2),
-        "append": all(r["fraction_of_reference_bandwidth"] >= 0.5 for r in result["append"])}
+    result["met"] = None
+    if cuda:
+        result["met"] = {}
+        for kind in backends:
+            long = [r for r in result["decode"] if r["context"] >= 32768 and r["backend"] == kind]
+            result["met"][kind] = {
+                "bandwidth": all(r["fraction_of_reference_bandwidth"] >= 0.7 for r in long),
+                "speedup_4bit": all(r["speedup_vs_sdpa"] >= 3.0 for r in long if r["bits"] == 4),
+                "speedup_2bit": all(r["speedup_vs_sdpa"] >= 5.0 for r in long if r["bits"] == 2)}
+        result["met"]["append"] = all(r["fraction_of_reference_bandwidth"] >= 0.5 for r in result["append"])
     save()
-    print(f"device {result['device']}: copy {result['copy_bandwidth_gbs']:.1f} GB/s, reference "
-          f"{result['reference_bandwidth_gbs']:.1f} GB/s; checks passed; wrote {path}")
+    print(f"device {result['device']}: copy {result['copy_bandwidth_gbs']:.1f} GB/s, read probe "
+          f"{result['read_probe_gbs']:.1f} GB/s, reference {result['reference_bandwidth_gbs']:.1f} GB/s; checks "
+          f"passed; wrote {path}")
     for r in result["decode"]:
-        print(f"  batch {r['batch']:>2} ctx {r['context']:>6} {r['bits']} bits: {r['seconds'] * 1e6:9.1f} us, "
-              f"{r['fraction_of_reference_bandwidth'] * 100:5.1f} % of ref bw, x{r['speedup_vs_sdpa']:.2f} vs fp16 FA "
-              f"({r['sdpa_bandwidth_gbs']:.0f} GB/s)")
+        spec = f", {r['fraction_of_spec'] * 100:5.1f} % of spec" if r["fraction_of_spec"] else ""
+        print(f"  {r['backend']:>6} batch {r['batch']:>2} ctx {r['context']:>6} {r['bits']} bits: "
+              f"{r['seconds'] * 1e6:9.1f} us, {r['fraction_of_read_probe'] * 100:5.1f} % of read probe{spec}, "
+              f"x{r['speedup_vs_sdpa']:.2f} vs fp16 FA ({r['sdpa_bandwidth_gbs']:.0f} GB/s)")
     for r in result["append"]:
         print(f"  append {r['bits']} bits: {r['bandwidth_gbs']:.1f} GB/s "
               f"({r['fraction_of_reference_bandwidth'] * 100:.1f} % of ref bw)")

@@ -66,7 +66,6 @@ def _parse(argv):
 def run_variant(qry, cache, table, variant, max_len):
     """One call of the split + merge kernels under ``variant`` (see ``VARIANTS``)."""
     import torch
-    import triton
 
     from gpu.schedule import plan_splits
     from gpu.triton import paged
@@ -74,7 +73,7 @@ def run_variant(qry, cache, table, variant, max_len):
 
     _, bn, nw, prefetch, stages, factor = variant
     b, _, h, g, d = qry.shape
-    m_pad = max(16, triton.next_power_of_2(g))
+    m_pad = paged.rows_pad(g)
     bn_auto, bb_auto, nw_auto = paged.default_blocks(d, m_pad, table.bits)
     bn = min(bn or bn_auto, cache.page_size)
     auto = plan_splits(b, h, max_len, bn).splits

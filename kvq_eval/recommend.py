@@ -75,7 +75,8 @@ def recommend_table(res: dict, targets=TARGETS, tokens: int = 8192, contexts=(40
     for r in recommend(res, targets, tokens, contexts):
         label = "none" if r["band"] == "none" else "allowed"
         if r["entry"] is None:
-            why = "none meets it" if r["candidates"] else f"no {_ctx(tokens)} cell yet"
+            n = r["candidates"]  # said with its count: a grid still filling must not read as "nothing can"
+            why = f"none of {n} entries with {_ctx(tokens)} cells meets it" if n else f"no {_ctx(tokens)} cell yet"
             cells = [f"≤ {r['target']:g} %", label, why, "–", "–"] + ["–", "–"] * len(contexts)
         else:
             cells = [f"≤ {r['target']:g} %", label, r["entry"], f"{r['bits']:.2f}",

@@ -7,13 +7,13 @@ Notes
 (``kvq_ref.turbo_profiles``; records in ``kvq_ref/data/turbo_profiles.json``). Shipped:
 
 =====================  ===============================  ==========  ======================  ==================
-profile                reproduces                        signs       tables                  rules
+profile                reproduces                       signs       tables                  rules
 =====================  ===============================  ==========  ======================  ==================
 fork@69d8e4be          the fork at 69d8e4be (default)   the fork's  the fork's (float32)    float32, tie high
 fork@69d8e4be+exact    the fork at 69d8e4be rewritten   the fork's  Lloyd-Max (float32)     float32, tie high
                        by ``kvq-codebooks export
                        --apply-to``
-kvq                    this toolkit's earlier blocks     seeded      Lloyd-Max (float64)     float64, tie low
+kvq                    this toolkit's earlier blocks    seeded      Lloyd-Max (float64)     float64, tie low
 =====================  ===============================  ==========  ======================  ==================
 
 Encoding, every profile (norm correction: the decoded norm is the input norm)::

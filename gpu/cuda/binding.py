@@ -58,7 +58,7 @@ CUDA_DIR = Path(__file__).resolve().parent
 SOURCES = ("kvq_quantize.cu", "kvq_decode_attention.cu")
 TILE = 64        # KVQ_TILE of kvq_decode_attention.cu: tokens per staged tile (splits are multiples)
 MAX_GROUP = 16   # KVQ_MAX_GROUP: query rows per KV group
-HEADERS = ("kvq_common.cuh", "host_emu.h")
+HEADERS = ("kvq_common.cuh", "kvq_quant.cuh", "kvq_frag.cuh", "kvq_frag_parts.cuh", "host_emu.h")
 MAX_DIM = 256   # KVQ_MAX_DIM in kvq_common.cuh
 MAX_BITS = 4    # KVQ_MAX_BITS
 HOST_EMULATION_ENV = "KVQ_CUDA_HOST_EMULATION"
@@ -95,11 +95,11 @@ def _run(cmd, what: str) -> subprocess.CompletedProcess:
     return proc
 
 
-def _cached_build(tag: str, compiler: str, flags: list[str]) -> Path:
-    """Compile SOURCES into ``lib<tag>_<hash>.so`` unless a library of that hash is cached."""
+def _cached_build(tag: str, compiler: str, flags: list[str], sources=SOURCES) -> Path:
+    """Compile ``sources`` into ``lib<tag>_<hash>.so`` unless a library of that hash is cached."""
     version = _run([compiler, "--version"], f"{compiler} --version").stdout
     digest = hashlib.sha256()
-    for chunk in [compiler, version, *flags] + [(CUDA_DIR / f).read_text() for f in SOURCES + HEADERS]:
+    for chunk in [compiler, version, *flags] + [(CUDA_DIR / f).read_text() for f in tuple(sources) + HEADERS]:
         digest.update(chunk.encode() + b"\0")
     out = cache_dir() / f"lib{tag}_{digest.hexdigest()[:20]}.so"
     if not out.is_file():
@@ -107,7 +107,7 @@ def _cached_build(tag: str, compiler: str, flags: list[str]) -> Path:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
         try:
-            _run([compiler, *flags, "-o", tmp, *SOURCES], f"building {tag}")
+            _run([compiler, *flags, "-o", tmp, *sources], f"building {tag}")
             os.replace(tmp, out)  # atomic: concurrent builders never see a partial library
         finally:
             if os.path.exists(tmp):
@@ -115,30 +115,37 @@ def _cached_build(tag: str, compiler: str, flags: list[str]) -> Path:
     return out
 
 
-def build_library(arch: str | None = None) -> Path:
-    """The nvcc-built shared library for ``arch`` (default: the current GPU's, e.g. ``sm_90``)."""
+def gpu_arch() -> str:
+    """``sm_<major><minor>`` of the current GPU (CudaUnavailableError without one)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise CudaUnavailableError("no CUDA GPU (torch.cuda.is_available() is False)")
+    major, minor = torch.cuda.get_device_capability()
+    return f"sm_{major}{minor}"
+
+
+def build_library(arch: str | None = None, sources=SOURCES, defines: tuple = (), tag: str = "kvq_cuda") -> Path:
+    """The nvcc-built shared library of ``sources`` for ``arch`` (default: the current GPU's, e.g. ``sm_90``)."""
     nvcc = find_nvcc()
     if nvcc is None:
         raise CudaUnavailableError("nvcc not found (PATH, $CUDA_HOME/bin, /usr/local/cuda/bin): "
                                    "the CUDA kernels are compiled on first use")
-    if arch is None:
-        import torch
-
-        if not torch.cuda.is_available():
-            raise CudaUnavailableError("no CUDA GPU (torch.cuda.is_available() is False)")
-        major, minor = torch.cuda.get_device_capability()
-        arch = f"sm_{major}{minor}"
-    return _cached_build(f"kvq_cuda_{arch}", nvcc, ["-O3", "-std=c++17", f"-arch={arch}", "-shared",
-                                                    "-Xcompiler", "-fPIC"])
+    arch = arch or gpu_arch()
+    return _cached_build(f"{tag}_{arch}", nvcc, ["-O3", "-std=c++17", f"-arch={arch}", "-shared", "-Xcompiler",
+                                                 "-fPIC", *defines], sources)
 
 
-def build_host_emulation() -> Path:
+def build_host_emulation(sources=SOURCES, defines: tuple = (), tag: str = "kvq_host_emu") -> Path:
     """The same sources built for the CPU against ``host_emu.h`` (needs g++ >= 12 for _Float16)."""
     cxx = os.environ.get("CXX") or shutil.which("g++")
     if not cxx:
         raise CudaUnavailableError("no host C++ compiler (g++ or $CXX) for the CUDA host emulation")
-    return _cached_build("kvq_host_emu", cxx, ["-std=c++20", "-O2", "-ffp-contract=off", "-fPIC", "-shared",
-                                               "-pthread", "-x", "c++", "-include", "host_emu.h", "-I", "."])
+    # -fno-ipa-icf: g++ 12.2 -O2 folded two template instances of the fragment append kernel's helpers
+    # that differ (identical code folding), so a 4-bit lane wrote all its words to one address when a
+    # 2-bit one was instantiated beside it (tests/gpu/test_cuda_fragment.py's append round trip)
+    return _cached_build(tag, cxx, ["-std=c++20", "-O2", "-fno-ipa-icf", "-ffp-contract=off", "-fPIC", "-shared",
+                                    "-pthread", "-x", "c++", "-include", "host_emu.h", "-I", ".", *defines], sources)
 
 
 # ---- compile check: ptxas registers and spills --------------------------------------------------

@@ -35,7 +35,7 @@ from kvq_ref.packing import packed_size
 from kvq_ref.rotations import HadamardRotation
 from kvq_ref.turboquant import TurboQuantMSE
 
-from .paged import default_blocks, interpreting, launch_paged, plan_splits, row_words
+from .paged import default_blocks, interpreting, launch_paged, plan_splits, row_words, rows_pad
 
 _interpreting = interpreting  # used by gpu.triton.nova
 
@@ -266,7 +266,7 @@ def decode_attention_mse(q, keys_packed, keys_norms, values_packed, values_norms
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
-    m_pad = max(16, triton.next_power_of_2(g))
+    m_pad = rows_pad(g)
     bn_auto, bb_auto, warps_auto = default_blocks(d, m_pad, max(kq.bits, vq.bits))
     block_n, block_band = block_n or bn_auto, block_band or bb_auto
     for name, b in (("block_n", block_n), ("block_band", block_band)):

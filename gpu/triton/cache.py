@@ -27,7 +27,7 @@ from kvq_ref.turboquant import TurboQuantMSE
 
 from .attention import _check_tensor, check_method, kernel_params, resolve_precision
 from .codes import pack_store
-from .paged import default_blocks, interpreting, launch_paged, plan_splits, row_bytes_for
+from .paged import default_blocks, interpreting, launch_paged, plan_splits, row_bytes_for, rows_pad
 from .quantize import _corrected, _rot_operands, _rotated_codes
 
 __all__ = ["PagedKVCache", "append_encoded", "append_band", "paged_decode_attention"]
@@ -291,7 +291,7 @@ def paged_decode_attention(q, cache: PagedKVCache, ktable, vtable, *, q_pos=None
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
     precision = resolve_precision(kq, vq, precision)
-    m_pad = max(16, triton.next_power_of_2(T * G))
+    m_pad = rows_pad(T * G)
     bn_auto, bb_auto, warps = default_blocks(d, m_pad, max(kq.bits, vq.bits))
     if block_n is not None and (not isinstance(block_n, int) or block_n < 16 or block_n & (block_n - 1)):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n!r}")

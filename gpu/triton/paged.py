@@ -20,7 +20,7 @@ Schedule:
    loads each row's packed codes as 32-bit words (16-byte vector loads when ``row_bytes`` is a
    multiple of 16 and the code width is 2 or 4), unpacks them in registers, maps codes to levels by
    a select tree over levels held in registers (kernel arguments), computes the scores and the value
-   sums with ``tl.dot`` (queries padded to 16 rows), and folds the value norm into the softmax weight.
+   sums with ``tl.dot`` (queries padded to ``MIN_ROWS`` = 8 rows, or 16 on an older Triton), and folds the value norm into the softmax weight.
 2. ``_merge_kernel``, grid ``(B, H)``: combines the ``S`` encoded partials by log-sum-exp, applies the
    inverse value rotation ``R_v^T`` once, merges the band partial the same way, divides, and stores
    in the query's dtype.
@@ -49,7 +49,7 @@ from gpu.schedule import H200_SMS, MAX_SPLITS, MIN_CHUNK, TARGET_WAVES, SplitPla
 from .codes import fwht_tile
 
 __all__ = ["H200_SMS", "SplitPlan", "plan_splits", "row_words", "row_bytes_for", "launch_paged",
-           "default_blocks"]
+           "default_blocks", "rows_pad", "MIN_ROWS"]
 
 
 
@@ -353,6 +353,31 @@ def _merge_kernel(ws_ptr, out_ptr, o_sb, o_st, o_sh, vperm_ptr, vsign_ptr, H, S,
 
 
 # ---- planning ------------------------------------------------------------------------------------
+def _min_rows() -> int:
+    """Fewest query rows a tile is padded to: 8 where Triton's NVIDIA backend takes a 16-bit ``tl.dot``
+    with N = 8 (``min_dot_size`` (1, 1, 16) since Triton 3.x: it pads to the instruction itself; Triton
+    3.9 compiles the split kernel's N = 8 dots to HGMMA.64x8x16 on sm_90), else 16. The GQA group of 4
+    then wastes half the MMA and softmax work instead of three quarters."""
+    try:
+        from triton.backends.nvidia.compiler import min_dot_size
+
+        class _T:
+            class scalar:
+                primitive_bitwidth = 16
+        _, n, _ = min_dot_size(None)(_T, _T)
+        return 8 if n <= 8 else 16
+    except Exception:  # an older backend without the hook: the old padding
+        return 16
+
+
+MIN_ROWS = _min_rows()
+
+
+def rows_pad(rows: int) -> int:
+    """Query rows of a tile: the next power of two, at least MIN_ROWS."""
+    return max(MIN_ROWS, triton.next_power_of_2(rows))
+
+
 def row_words(d: int, bits: int) -> int:
     """32-bit words the kernel reads per row: ``ceil(d bits / 32)``, whole 3-word groups at 3 bits."""
     if bits == 3:
@@ -403,7 +428,7 @@ def launch_paged(q, kc, kn, vc, vn, block_table, seq_lens, band_k, band_v, band_
     prefetched words hold twice the registers. ``num_stages``: Triton's pipelining depth for the
     split kernel's loop (None: Triton's default). Neither changes a result."""
     B, T, H, G, D = q.shape
-    m_pad = max(16, triton.next_power_of_2(T * G))
+    m_pad = rows_pad(T * G)
     d_pad = max(32 if 3 in (kparams.bits, vparams.bits) else 16, triton.next_power_of_2(D))
     S = plan.splits
     size = B * H * (S + 1) * m_pad * (d_pad + 2)

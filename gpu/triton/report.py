@@ -13,7 +13,10 @@ the runtime JIT would emit. From the artifacts it reads:
 
 ``estimate(config, ...)`` turns that into an expected time per benchmark case: the larger of
 (bytes read / copy bandwidth) and (SASS instructions issued / issue rate), plus the launch cost of
-the two kernels. It is a model, not a measurement.
+the two kernels. It is a model, not a measurement. ``budget_columns`` adds issue 52's static columns
+(warp instructions, ALU-pipe operations, FSEL, shared and local memory per token and KV head, by
+``gpu.cuda.sass``'s classification), and ``main`` reports the CUDA fragment kernel beside the Triton one
+(``gpu.cuda.static``, its gate and roofline).
 """
 
 from __future__ import annotations
@@ -92,7 +95,7 @@ def build_split(cfg: Config, block_n: int | None = None, num_warps: int | None =
 
     if not isinstance(paged._split_kernel, triton.runtime.jit.JITFunction):
         raise TypeError("build_split needs compiled kernels: run it with TRITON_INTERPRET=0 (report.main does)")
-    m_pad = max(16, triton.next_power_of_2(cfg.t * cfg.g))
+    m_pad = paged.rows_pad(cfg.t * cfg.g)
     d_pad = max(32 if 3 in (cfg.kbits, cfg.vbits) else 16, triton.next_power_of_2(cfg.d))
     with _no_interpret():
         bn_default, block_b, warps = paged.default_blocks(cfg.d, m_pad, max(cfg.kbits, cfg.vbits))
@@ -207,12 +210,28 @@ def loop_loads(loop: list[str]) -> dict:
     return out
 
 
+def budget_columns(loop: list[str], num_warps: int, block_n: int) -> dict:
+    """Issue 52's static columns for a Triton loop (``gpu.cuda.sass.count``, the CUDA kernel's
+    classification): per token and KV head, a tile of block_n tokens being one loop iteration of each
+    of num_warps warps (Triton's loop has no rarely taken branch: its whole body is the path)."""
+    from gpu.cuda.sass import count
+
+    c = count(loop)
+    per = num_warps / block_n
+    return {"warp_instr_per_token_head": c["total"] * per, "alu_per_token_head": c["alu"] * per,
+            "fma_per_token_head": c["fma"] * per, "mma_per_token_head": c["mma"] * per,
+            "fsel_per_token_head": c["fsel"] * per, "shared_loads_per_token_head": (c["lds"] + c["ldsm"]) * per,
+            "shared_stores_per_token_head": (c["sts"] + c["stsm"]) * per,
+            "local_per_token_head": (c["ldl"] + c["stl"]) * per}
+
+
 def _report_row(cfg: Config) -> dict:
     b = build_split(cfg)
     loop = loop_sass(b.cubin)
     return {"config": cfg, "block_n": b.block_n, "num_warps": b.num_warps, "n_regs": b.n_regs,
             "spill_stores": b.spill_stores, "spill_loads": b.spill_loads, "ptx_loads": b.loads,
-            "loop_sass": len(loop), "loop_loads": loop_loads(loop), "loop_fsel": sum("FSEL" in x for x in loop)}
+            "loop_sass": len(loop), "loop_loads": loop_loads(loop), "loop_fsel": sum("FSEL" in x for x in loop),
+            **budget_columns(loop, b.num_warps, b.block_n)}
 
 
 def static_report(configs=BENCH_CONFIGS, workers: int | None = None) -> list[dict]:
@@ -263,6 +282,8 @@ def main(argv=None) -> list:
     import argparse
     import json
 
+    from .paged import rows_pad
+
     p = argparse.ArgumentParser(description="static sm_90 report + analytic model of the decode kernels")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
@@ -273,10 +294,12 @@ def main(argv=None) -> list:
         b = build_split(cfg)
         loop = loop_sass(b.cubin) if nvdisasm_path() else []
         print(b.summary() + (f"; loop {len(loop)} SASS instructions per warp per {b.block_n} tokens" if loop else ""))
-        row = {"config": cfg.label, "n_regs": b.n_regs, "spill_bytes": b.spill_stores + b.spill_loads,
+        row = {"config": cfg.label, "kernel": "triton _split_kernel", "n_regs": b.n_regs,
+               "spill_bytes": b.spill_stores + b.spill_loads, "m_pad": rows_pad(cfg.t * cfg.g),
                "ptx_loads": b.loads, "loop_loads_by_bytes": loop_loads(loop), "block_n": b.block_n,
                "num_warps": b.num_warps, "loop_sass": len(loop),
                "sass_per_token_head": len(loop) * 32 * b.num_warps / b.block_n,
+               **(budget_columns(loop, b.num_warps, b.block_n) if loop else {}),
                "bytes_per_token_head": bytes_per_token_head(cfg.d, cfg.kbits, cfg.vbits), "model": []}
         if loop and cfg.g == 4 and cfg.d == 128:
             for batch in (1, 16):
@@ -286,13 +309,44 @@ def main(argv=None) -> list:
                     print(f"   batch {batch:>2} {n:>6} tokens: {e['expected_s'] * 1e6:8.1f} us ({e['bound']}-bound, "
                           f"{e['splits']} splits), x{e['expected_speedup_vs_fp16_at_copy_bw']:.2f} vs fp16 at copy bw")
         rows.append(row)
+    cuda = cuda_report()
     if args.json:
+        from gpu.cuda import roofline, static
+
         args.json.parent.mkdir(parents=True, exist_ok=True)
         meta = {"assumed_copy_gbs": ASSUMED_COPY_GBS, "clock_ghz": H200_CLOCK_GHZ, "sms": 132,
                 "issue_per_sm_cycle": ISSUE_PER_SM_CYCLE, "launch_us": LAUNCH_US, "measured": False,
+                "gate_d128": {str(k): {"warp_instr_per_token_head": v[0], "alu_per_token_head": v[1]}
+                              for k, v in static.GATE.items()},
+                "cuda_roofline_model": roofline.device_meta(),
                 "command": "TRITON_INTERPRET=0 python -m gpu.triton.report --json " + str(args.json)}
-        args.json.write_text(json.dumps({"meta": meta, "configs": rows}, indent=1, default=str) + "\n")
+        args.json.write_text(json.dumps({"meta": meta, "configs": rows, "cuda": cuda}, indent=1, default=str) + "\n")
     return rows
+
+
+def cuda_report() -> list[dict]:
+    """The CUDA fragment kernel's static rows (gpu.cuda.static) at head_dim 64/128/256 and 2/3/4 bits
+    (K = V bits; the GQA group is a runtime row count, G <= 8 share one code), with issue 52's gate and
+    the roofline predictions (gpu.cuda.roofline) at head_dim 128; [] without nvcc."""
+    from gpu.cuda import binding, roofline, static
+
+    if binding.find_nvcc() is None or nvdisasm_path() is None:
+        print("no nvcc/nvdisasm: the CUDA fragment kernel is not reported")
+        return []
+    out = []
+    for d in (64, 128, 256):
+        for bits in (2, 3, 4):
+            row = static.fragment_row(static.fragment_build(d, bits, bits))
+            if d == 128:
+                row["gate_failures"] = static.gate_failures(row)
+                row["roofline"] = roofline.prediction_table([row])
+            print(f"cuda {row['config']}: {row['warp_instr_per_token_head']:.2f} warp instr / token-head, ALU "
+                  f"{row['alu_per_token_head']:.2f}, {row['registers']} regs" +
+                  (f", gate {'passed' if not row['gate_failures'] else row['gate_failures']}" if d == 128 else ""))
+            if d == 128:
+                print(roofline.describe(row["roofline"]))
+            out.append(row)
+    return out
 
 
 if __name__ == "__main__":

@@ -18,10 +18,18 @@ __all__ = ["kv_arrays", "kv_pairs", "threshold_ties"]
 def kv_arrays(draw, d: int, n=st.integers(1, 64), dtype=np.float64, ties=None):
     """Token rows (n, d): offset channels, outlier channels, heavy-tailed norms, zero rows and ties.
 
-    d : int; n : int or strategy; dtype : float16 rows are rounded (and kept finite);
-    ties : optional values written into the rows: a 1-D array (``threshold_ties``: for methods that
-    compare their inputs) at random positions, or rows (m, d) (``tie_rows``: for rotated
-    quantizers, whose ties are in the rotated domain) replacing 1..min(n, m) random rows.
+    Parameters
+    ----------
+    d : int
+        Row width.
+    n : int or strategy
+        Number of rows.
+    dtype : numpy dtype
+        float16 rows are rounded (and kept finite).
+    ties : array, optional
+        Values written into the rows: a 1-D array (``threshold_ties``: for methods that compare
+        their inputs) at random positions, or rows (m, d) (``tie_rows``: for rotated quantizers,
+        whose ties are in the rotated domain) replacing 1..min(n, m) random rows.
     """
     n = draw(n) if isinstance(n, st.SearchStrategy) else int(n)
     seed = draw(st.integers(0, 2**32 - 1))

@@ -2,8 +2,8 @@
 
 The timings of a dry run mean nothing; what is checked is that the script runs end to end as one
 command, that its correctness gate passes (quantize and append bit-exact, contiguous and paged
-attention within 2e-3 relative), and that it writes a JSON with every field the README and
-notebook 06 read.
+attention within 2e-3 relative, for the Triton kernels and, on the host emulation, the CUDA fragment
+kernel), and that it writes a JSON with every field docs/gpu.md and notebook 06 read.
 """
 
 import json
@@ -11,6 +11,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -23,12 +25,17 @@ def test_bench_dry_run_writes_complete_json(tmp_path):
     result = json.loads((tmp_path / "bench_dryrun.json").read_text())
     assert result["dry_run"] is True and result["met"] is None and result["complete"] is True
     assert not list(tmp_path.glob("*.tmp"))  # written through a temp file and a rename
-    assert [c["bits"] for c in result["checks"]] == [2, 4]
+    backends = result["backends"]
+    assert backends[0] == "triton" and set(backends) <= {"triton", "cuda"}
+    assert [c["bits"] for c in result["checks"]] == [2, 4] * len(backends)
     for c in result["checks"]:
-        assert c["codes_bit_exact"] and c["append_bit_exact"] and c["ok"]
-        assert c["attention_rel_err"] < 2e-3 and c["paged_attention_rel_err"] < 2e-3
-    assert {(r["batch"], r["context"], r["bits"]) for r in result["decode"]} == {
-        (b, n, bits) for b in (1, 2) for n in (64, 97) for bits in (2, 4)}
+        assert c["append_bit_exact"] and c["ok"] and c["paged_attention_rel_err"] < 2e-3
+        if c.get("backend") != "cuda":
+            assert c["codes_bit_exact"] and c["attention_rel_err"] < 2e-3
+    assert {(r["backend"], r["batch"], r["context"], r["bits"]) for r in result["decode"]} == {
+        (k, b, n, bits) for k in backends for b in (1, 2) for n in (64, 97) for bits in (2, 4)
+        if k == "triton" or b == 1}  # the dry run times the emulated CUDA kernel at batch 1 only
+    assert result["read_probe_gbs"] > 0 and result["spec_gbs"] is None  # no spec for a CPU
     for r in result["decode"]:
         # bytes read = K and V rows (d=128: 32 or 64 bytes, no padding) + two float16 norms,
         # batch x 2 KV heads x context; the fp16 baseline reads K and V at 2 bytes a value
@@ -36,6 +43,8 @@ def test_bench_dry_run_writes_complete_json(tmp_path):
         assert r["sdpa_bytes"] == r["batch"] * 2 * r["context"] * 2 * 128 * 2
         for key in ("seconds", "fraction_of_copy_bandwidth", "speedup_vs_sdpa", "sdpa_bandwidth_gbs"):
             assert key in r
+        assert r["fraction_of_read_probe"] == r["bandwidth_gbs"] / result["read_probe_gbs"]
+        assert r["fraction_of_spec"] is None and r["speedup_vs_ideal_fp16"] is None
     assert [a["bits"] for a in result["append"]] == [2, 4]
     assert all(a["tokens"] == 16 and a["fraction_of_copy_bandwidth"] > 0 for a in result["append"])
     assert result["copy_bandwidth_gbs"] > 0 and result["targets"]["speedup_vs_sdpa_2bit"] == 5.0
@@ -43,6 +52,15 @@ def test_bench_dry_run_writes_complete_json(tmp_path):
     assert result["reference_bandwidth_gbs"] == result["copy_bandwidth_gbs"]
     for r in result["decode"] + result["append"]:
         assert r["fraction_of_reference_bandwidth"] == r["bandwidth_gbs"] / result["reference_bandwidth_gbs"]
+
+
+def test_backends_dispatch_and_specs():
+    from gpu.bench import paged_decode_attention, spec_bandwidth
+
+    assert spec_bandwidth("NVIDIA H200") == 4.8e12 and spec_bandwidth("NVIDIA H100 80GB HBM3") == 3.35e12
+    assert spec_bandwidth("NVIDIA A100") is None
+    with pytest.raises(ValueError, match="backend"):
+        paged_decode_attention(None, None, None, None, backend="tpu")
 
 
 def test_reference_bandwidth_is_the_faster_of_copy_and_flashattention():
@@ -87,3 +105,40 @@ def test_device_scripts_parse_and_select_tests():
                                    path, "-k", expr], cwd=ROOT, capture_output=True, text=True, timeout=300)
             assert re.search(r"\d+/\d+ tests collected|\d+ tests? collected", proc.stdout), (script, expr, proc.stdout)
             assert " 0 selected" not in proc.stdout and "no tests ran" not in proc.stdout, (script, expr)
+
+
+def test_ncu_comparison_reads_the_csv_and_flags_10_percent(tmp_path, monkeypatch):
+    """gpu.cuda.device_check's comparator on an ncu --csv report in ncu's format (no GPU): counts per
+    token-head against the static row, within 10 % or not."""
+    from gpu.cuda import device_check, static
+
+    th = 16 * 8 * 32768
+    head = '"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size",' \
+           '"Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"\n'
+
+    def line(kernel, name, unit, value):
+        return (f'"0","1","python","h","{kernel}","1","7","(128, 1, 1)","(512, 1, 1)","0","9.0",'
+                f'"Command line profiler metrics","{name}","{unit}","{value}"\n')
+    rows = {2: {"warp_instr_per_token_head": 12.0, "alu_per_token_head": 5.0},
+            3: {"warp_instr_per_token_head": 16.0, "alu_per_token_head": 10.0}}
+    monkeypatch.setattr(device_check, "_static_row", lambda _s, d, bits: {**rows[bits], "d": d})
+    paths = []
+    for bits, factor in ((2, 1.05), (3, 1.2)):
+        text = "==PROF== Connected to process\n" + head
+        text += line("void kvq_frag_split_kernel<128, 2, 2>(FragArgs)", "smsp__inst_executed.sum", "inst",
+                     f"{rows[bits]['warp_instr_per_token_head'] * th * factor:,.0f}")
+        text += line("void kvq_frag_split_kernel<128, 2, 2>(FragArgs)", "smsp__inst_executed_pipe_alu.sum", "inst",
+                     f"{rows[bits]['alu_per_token_head'] * th:.0f}")
+        text += line("void kvq_frag_merge_kernel<128>(FragArgs)", "smsp__inst_executed.sum", "inst", "1")
+        text += line("void kvq_frag_split_kernel<128, 2, 2>(FragArgs)", "gpu__time_duration.sum", "usecond", "70")
+        text += line("void kvq_frag_split_kernel<128, 2, 2>(FragArgs)", "dram__bytes_read.sum", "Mbyte", "285.2")
+        p = tmp_path / f"ncu_fragment_{bits}bit.csv"
+        p.write_text(text)
+        paths.append(p)
+    out = device_check.compare(paths, tmp_path / "out.json")
+    r2, r3 = out["rows"]
+    assert r2["measured_warp_instr_per_token_head"] == pytest.approx(12.0 * 1.05, rel=1e-6)
+    assert r2["within_10_percent"] == {"warp_instr_per_token_head": True, "alu_per_token_head": True}
+    assert r3["within_10_percent"]["warp_instr_per_token_head"] is False
+    assert r2["dram_read_gbs"] == pytest.approx(285.2e6 / 70e-6 / 1e9)
+    assert static.GATE[2] == (15.0, 9.0)

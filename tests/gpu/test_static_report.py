@@ -58,3 +58,18 @@ def test_inner_loop_loads_words_and_vectors(report):
             assert loads.get(8, 0) + loads.get(16, 0) > 0, r
         else:
             assert loads.get(4, 0) >= 3, r  # 3 word loads per 96-bit group of 32 codes
+
+
+def test_budget_columns_per_token_head(report):
+    """Issue 52's columns: a tile of block_n tokens is one iteration of each of num_warps warps; the
+    Triton loop's FSEL select tree and its per-code shared-memory staging show (the CUDA kernel's
+    gate in tests/gpu/test_cuda_static.py forbids both)."""
+    for r in report:
+        per = r["num_warps"] / r["block_n"]
+        assert r["warp_instr_per_token_head"] == r["loop_sass"] * per
+        assert 0 < r["alu_per_token_head"] < r["warp_instr_per_token_head"]
+        assert r["fsel_per_token_head"] == r["loop_fsel"] * per > 0
+        c = r["config"]
+        if c.d == 128 and c.g == 4:
+            # per-code staging of the dequantized tile: about one 2-byte store per code, 256 codes a token-head
+            assert r["shared_stores_per_token_head"] > 4, r

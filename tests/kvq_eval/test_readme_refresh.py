@@ -13,7 +13,7 @@ import pytest
 from kvq_eval.cli import main
 from kvq_eval.plot import load_results
 from kvq_eval.readme import refresh_file, refresh_markdown
-from kvq_eval.recommend import recommend
+from kvq_eval.recommend import recommend, recommend_table
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "results" / "eval_v3"
@@ -73,6 +73,16 @@ def test_recommend_uses_the_upper_end_of_the_interval(folder):
         recommend(load_results(folder, "smollm2"), (0.0,))
     assert [(x["entry"], x["candidates"]) for x in recommend(load_results(folder, "smollm2"), (1.0,), tokens=1024)] \
         == [(None, 0), (None, 0)]
+
+
+def test_recommend_table_says_how_many_cells_missed_the_target(folder):
+    """An empty row names the count of cells it looked at, so a grid still filling never reads as
+    "no setting can"; without any cell of that window length it says so."""
+    res = load_results(folder, "smollm2")
+    n = {r["band"]: r["candidates"] for r in recommend(res, (0.01,))}
+    table = recommend_table(res, (0.01,))
+    assert n["none"] > 0 and f"| ≤ 0.01 % | none | none of {n['none']} entries with 8K cells meets it |" in table
+    assert "| ≤ 1 % | none | no 1K cell yet |" in recommend_table(res, (1.0,), tokens=1024)
 
 
 MARKED = """# A page

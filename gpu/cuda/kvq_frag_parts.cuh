@@ -1,0 +1,265 @@
+// The fragment kernels' arguments, float32 band partial and merge kernel (kvq_frag_attention.cu
+// includes it; the split kernel and the launch functions are there).
+#ifndef KVQ_FRAG_PARTS_CUH
+#define KVQ_FRAG_PARTS_CUH
+
+#include <math.h>
+
+#include "kvq_common.cuh"
+#include "kvq_frag.cuh"
+
+#define KVQ_FRAG_WARPS 4
+#define KVQ_FRAG_THREADS (32 * KVQ_FRAG_WARPS)
+#define KVQ_FRAG_ROWS 8      // query rows per KV head: the MMA's N
+#define KVQ_BAND_TILE 64     // band tokens per step of the float32 band path
+#define KVQ_LOG2E 1.4426950408889634f
+// CTAs per SM the register budget must allow: 4 (<= 128 registers); at head_dim 256 the accumulators
+// and query fragments alone take 96 registers, so 3 (<= 168) rather than spilling, and 2 with the
+// int8 keys' 32 more registers of quads
+#define KVQ_FRAG_MIN_BLOCKS(D, KB) ((D) >= 256 ? ((KB) == 2 ? 2 : 3) : 4)
+
+#ifndef KVQ_FRAG_D
+#define KVQ_FRAG_D 128
+#endif
+#ifndef KVQ_FRAG_KB
+#define KVQ_FRAG_KB 4
+#endif
+#ifndef KVQ_FRAG_VB
+#define KVQ_FRAG_VB 4
+#endif
+
+// dtype codes of q, out and the band
+#define KVQ_DT_F32 0
+#define KVQ_DT_F16 1
+#define KVQ_DT_BF16 2
+
+struct FragArgs {
+  int B, T, H, G, R, d;
+  const void* q;         // (B, T, H, G, d), q_dtype
+  int q_dtype, out_dtype;
+  void* out;             // (B, T, H, G, d), out_dtype
+  const uint8_t* kv;     // (pages, H, page_size / 16, tile_bytes)
+  const int* block_table;
+  const int* seq_lens;
+  int page_size, log_page, bt_stride;  // page_size = 2^log_page >= 32
+  unsigned page_bytes;   // H * page_size / 16 * tile_bytes: bytes from one page to the next
+  unsigned log_tpp, tpp_mask;  // log2(page_size / 16), page_size / 16 - 1
+  const void* band_k;    // (B, H, band_cap, d), band_dtype
+  const void* band_v;
+  const int* band_lens;  // (B,)
+  int band_dtype, band_cap;
+  uint32_t kpool[4], vpool[4];
+  KvqMul mul;            // from the host (a kernel argument, so ptxas cannot fold it)
+  float ksigma;          // 2-bit keys: the int8 levels are ksigma * level (gpu.cuda.lookup.int8_levels)
+  const int* kperm;      // key rotation: perm (d), signs (2, d) = (signs1, signs2), Hadamard block
+  const float* ksigns;
+  const int* vinv_perm;  // value rotation: inverse perm, signs (2, d), block
+  const float* vsigns;
+  int khblock, vhblock;
+  float sm_scale;
+  int splits, chunk;
+  float* ws;             // (B, H, S + 1, 8, d + 2): m (log2 units), l, acc[d]
+};
+
+
+__device__ __forceinline__ float kvq_load_as_float(const void* p, int dtype, size_t i) {
+  if (dtype == KVQ_DT_F32) return ((const float*)p)[i];
+  const unsigned short u = ((const unsigned short*)p)[i];
+  return dtype == KVQ_DT_F16 ? __half2float(__ushort_as_half(u)) : kvq_bf16(u);
+}
+
+__device__ __forceinline__ float* kvq_frag_partial(const FragArgs& a, size_t bh, int s, int r, int d) {
+  return a.ws + ((bh * (size_t)(a.splits + 1) + (size_t)s) * KVQ_FRAG_ROWS + (size_t)r) * (size_t)(d + 2);
+}
+
+// Rows r < R of the query of (b, h), times `scale`, into s_q[8][D] (rows >= R zero).
+template <int D>
+__device__ void kvq_frag_load_q(const FragArgs& a, int b, int h, float scale, float* s_q) {
+  for (int i = threadIdx.x; i < KVQ_FRAG_ROWS * D; i += blockDim.x) {
+    const int r = i / D, j = i % D;
+    float v = 0.0f;
+    if (r < a.R) {
+      const int t = r / a.G, g = r % a.G;
+      const size_t row = (((size_t)b * a.T + t) * a.H + h) * a.G + g;
+      v = kvq_load_as_float(a.q, a.q_dtype, row * D + j) * scale;
+    }
+    s_q[i] = v;
+  }
+}
+
+
+// The float32 band partial (original domain) of CTA (b, h, S).
+template <int D>
+__device__ void kvq_frag_band(const FragArgs& a, int b, int h, float* s_buf) {
+  __shared__ float s_part[2][KVQ_FRAG_ROWS][KVQ_BAND_TILE];
+  __shared__ float s_p[KVQ_FRAG_ROWS][KVQ_BAND_TILE];
+  __shared__ float s_m[KVQ_FRAG_ROWS], s_l[KVQ_FRAG_ROWS], s_alpha[KVQ_FRAG_ROWS];
+  constexpr int NC = (D + KVQ_FRAG_THREADS - 1) / KVQ_FRAG_THREADS;  // output coordinates per thread
+  const int tid = threadIdx.x;
+  float* s_q = s_buf;
+  kvq_frag_load_q<D>(a, b, h, a.sm_scale * KVQ_LOG2E, s_q);
+  if (tid < KVQ_FRAG_ROWS) {
+    s_m[tid] = -INFINITY;
+    s_l[tid] = 0.0f;
+  }
+  float acc[KVQ_FRAG_ROWS][NC];
+#pragma unroll
+  for (int r = 0; r < KVQ_FRAG_ROWS; ++r)
+#pragma unroll
+    for (int c = 0; c < NC; ++c) acc[r][c] = 0.0f;
+  __syncthreads();
+  const int nb = a.band_lens[b];
+  const size_t rows0 = ((size_t)b * a.H + h) * (size_t)a.band_cap;
+  const int u = tid % KVQ_BAND_TILE, half = tid / KVQ_BAND_TILE;  // 128 threads = 2 halves of d
+  for (int t0 = 0; t0 < nb; t0 += KVQ_BAND_TILE) {
+    const int tile = min(KVQ_BAND_TILE, nb - t0);
+    float dot[KVQ_FRAG_ROWS];
+#pragma unroll
+    for (int r = 0; r < KVQ_FRAG_ROWS; ++r) dot[r] = 0.0f;
+    if (u < tile) {
+      const size_t krow = (rows0 + t0 + u) * D;
+      for (int j = half * (D / 2); j < (half + 1) * (D / 2); ++j) {
+        const float kj = kvq_load_as_float(a.band_k, a.band_dtype, krow + j);
+#pragma unroll
+        for (int r = 0; r < KVQ_FRAG_ROWS; ++r) dot[r] += s_q[r * D + j] * kj;
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < KVQ_FRAG_ROWS; ++r) s_part[half][r][u] = dot[r];
+    __syncthreads();
+    if (tid < a.R) {
+      const int r = tid;
+      float tmax = -INFINITY;
+      for (int v = 0; v < tile; ++v) tmax = fmaxf(tmax, s_part[0][r][v] + s_part[1][r][v]);
+      const float m_new = fmaxf(s_m[r], tmax);
+      const float ref = m_new == -INFINITY ? 0.0f : m_new;
+      const float alpha = kvq_ex2(s_m[r] - ref);
+      float sum = 0.0f;
+      for (int v = 0; v < tile; ++v) {
+        const float p = kvq_ex2(s_part[0][r][v] + s_part[1][r][v] - ref);
+        s_p[r][v] = p;
+        sum += p;
+      }
+      s_l[r] = s_l[r] * alpha + sum;
+      s_m[r] = m_new;
+      s_alpha[r] = alpha;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int c = 0; c < NC; ++c) {
+      const int j = tid + c * KVQ_FRAG_THREADS;
+#pragma unroll
+      for (int r = 0; r < KVQ_FRAG_ROWS; ++r)
+        if (r < a.R) acc[r][c] *= s_alpha[r];
+      if (j >= D) continue;
+      for (int v = 0; v < tile; ++v) {
+        const float val = kvq_load_as_float(a.band_v, a.band_dtype, (rows0 + t0 + v) * D + j);
+#pragma unroll
+        for (int r = 0; r < KVQ_FRAG_ROWS; ++r)
+          if (r < a.R) acc[r][c] += s_p[r][v] * val;
+      }
+    }
+    __syncthreads();
+  }
+  const size_t bh = (size_t)b * a.H + h;
+#pragma unroll
+  for (int r = 0; r < KVQ_FRAG_ROWS; ++r) {
+    if (r >= a.R) break;
+    float* p = kvq_frag_partial(a, bh, a.splits, r, D);
+    if (tid == 0) {
+      p[0] = s_m[r];
+      p[1] = s_l[r];
+    }
+#pragma unroll
+    for (int c = 0; c < NC; ++c) {
+      const int j = tid + c * KVQ_FRAG_THREADS;
+      if (j < D) p[2 + j] = acc[r][c];
+    }
+  }
+}
+
+
+// Grid B H R, one CTA per query row: merge of the S partials, inverse value rotation, band partial,
+// division, store. The merge is on the critical path of a call (and the longest part of it at batch 1,
+// where S is 50), so it is spread wide: KVQ_MERGE_THREADS threads = SG groups of splits x D coordinates,
+// 8 splits' loads in flight per thread; the maxima are reduced first (all threads), the groups' sums in
+// shared memory after.
+// (The host emulation runs 2 D threads, SG = 2: the same code, a quarter of the OS threads at d = 128.)
+#ifdef KVQ_HOST_EMULATION
+#define KVQ_MERGE_THREADS (2 * KVQ_FRAG_D)
+#else
+#define KVQ_MERGE_THREADS 512
+#endif
+template <int D>
+__global__ void __launch_bounds__(KVQ_MERGE_THREADS) kvq_frag_merge_kernel(FragArgs a) {
+  constexpr int SG = KVQ_MERGE_THREADS / D;
+  static_assert(SG >= 1 && KVQ_MERGE_THREADS % 32 == 0, "the merge needs a thread per coordinate");
+  __shared__ float s_red[KVQ_MERGE_THREADS / 32];
+  __shared__ float s_acc[SG][D];
+  __shared__ float s_l[SG];
+  __shared__ float s_y[D];
+  const int tid = threadIdx.x, sg = tid / D, j = tid % D;
+  const size_t bh = blockIdx.x / (unsigned)a.R;
+  const int r = (int)(blockIdx.x % (unsigned)a.R);
+  const int b = (int)(bh / (unsigned)a.H), h = (int)(bh % (unsigned)a.H);
+  float m = -INFINITY;
+  for (int s = tid; s < a.splits; s += KVQ_MERGE_THREADS) m = fmaxf(m, kvq_frag_partial(a, bh, s, r, D)[0]);
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
+  if (tid % 32 == 0) s_red[tid / 32] = m;
+  __syncthreads();
+  m = s_red[0];
+#pragma unroll
+  for (int w = 1; w < KVQ_MERGE_THREADS / 32; ++w) m = fmaxf(m, s_red[w]);
+  const float ref = m == -INFINITY ? 0.0f : m;
+  float acc = 0.0f, l = 0.0f;
+#pragma unroll 8
+  for (int s = sg; s < a.splits; s += SG) {
+    const float* p = kvq_frag_partial(a, bh, s, r, D);
+    const float w = kvq_ex2(p[0] - ref);
+    acc += w * p[2 + j];
+    if (j == 0) l += w * p[1];
+  }
+  s_acc[sg][j] = acc;
+  if (j == 0) s_l[sg] = l;
+  __syncthreads();
+  if (sg == 0) {  // R_V^T y = D1 P^T (H_b / sqrt(b)) D2 y
+    float y = 0.0f;
+#pragma unroll
+    for (int g = 0; g < SG; ++g) y += s_acc[g][j];
+    s_y[j] = y * a.vsigns[D + j];
+  }
+  l = 0.0f;
+#pragma unroll
+  for (int g = 0; g < SG; ++g) l += s_l[g];
+  for (int hh = 1; hh < a.vhblock; hh <<= 1) {
+    __syncthreads();
+    for (int p = tid; p < D / 2; p += KVQ_MERGE_THREADS) {
+      const int i = (p / hh) * 2 * hh + (p % hh);
+      const float lo = s_y[i], hi = s_y[i + hh];
+      s_y[i] = lo + hi;
+      s_y[i + hh] = lo - hi;
+    }
+  }
+  __syncthreads();
+  if (sg != 0) return;
+  const float* pb = kvq_frag_partial(a, bh, a.splits, r, D);
+  const float mt = fmaxf(m, pb[0]);
+  const float rt = mt == -INFINITY ? 0.0f : mt;
+  const float ce = kvq_ex2(m - rt), cb = kvq_ex2(pb[0] - rt);
+  const float den = l * ce + pb[1] * cb;
+  const float inv = den > 0.0f ? 1.0f / den : 0.0f;  // a row that sees no token gets 0
+  const int t = r / a.G, g = r % a.G;
+  const size_t orow = ((((size_t)b * a.T + t) * a.H + h) * a.G + g) * D;
+  const float x = s_y[a.vinv_perm[j]] * (1.0f / sqrtf((float)a.vhblock)) * a.vsigns[j];
+  const float o = (x * ce + pb[2 + j] * cb) * inv;
+  if (a.out_dtype == KVQ_DT_F32) {
+    ((float*)a.out)[orow + j] = o;
+  } else if (a.out_dtype == KVQ_DT_F16) {
+    ((unsigned short*)a.out)[orow + j] = __half_as_ushort(__float2half_rn(o));
+  } else {
+    ((unsigned short*)a.out)[orow + j] = kvq_to_bf16(o);
+  }
+}
+
+#endif  // KVQ_FRAG_PARTS_CUH

@@ -1,0 +1,214 @@
+"""Split-K decode attention of the CUDA fragment kernel (gpu.cuda.fragment_cache) against kvq_ref.
+
+The CUDA source runs on the host emulation (g++, ``KVQ_CUDA_HOST_EMULATION=1``: warps of std::threads,
+mma.sync/movmatrix/shuffles by the PTX fragment definitions, see gpu/cuda/host_emu.h), and on a GPU when
+one is present (the ``cuda`` parameter). Every case compares each query row with
+``kvq_ref.attention_decode`` of its sequence and KV head (a ``QuantizedKV`` whose encoded tokens were
+written with ``write_rows``, band tokens in the 16-bit band) under ``mse_attention_tolerance`` with
+
+    U_FRAG = 3 * 2^-11.
+
+Derivation (the bound's model: every product and accumulated value carries a relative error <= u; Higham
+and Mary's lambda = 6 for the sums, kvq_ref/testing/tolerances.py). Scores: the fp16 path rounds the
+rotated query and the key level to float16 (2^-11 each, two per product; the query is first scaled by a
+power of two so that it is never subnormal); the int8 keys at 2 bits use levels within eps <= 3.7e-4 of
+the table (gpu.cuda.lookup.int8_levels, < 2^-11) times a query kept to 16 bits (2^-16), products exact in
+int32. Values: p is rounded to float16, p times the float16 value norm rounded again (HMUL2), and the value
+level is float16: three roundings of 2^-11 per product, the worst term, hence u = 3 * 2^-11. The tensor
+cores' float32 accumulation (<= a few float32 ulps per add), MUFU.EX2 (2^-22) and the float32 softmax,
+merge and inverse rotation are far below u. Float16/bfloat16 outputs add half an output ulp.
+
+That bound is a guarantee but a loose one (it charges every product its worst case, times lambda
+sqrt(d + 4)), so each sequence's output is also held to a statistical tier: ``||out - ref|| <=
+FRO_TOL ||ref||`` with ``FRO_TOL = 6 * 2^-11``. Model: the roundings are independent and uniform, a
+float16 rounding has a relative standard deviation <= 2^-11 / sqrt(3), three of them per product <=
+2^-11; a weighted sum of such products, and the softmax weights moved by the scores' errors of the same
+size, keep the output's relative error at about that standard deviation (no cancellation: the outputs
+are averages of many values); lambda = 6 standard deviations. Measured: at most 1.0e-3 (1.9e-3 with
+bfloat16 outputs, whose half ulp is added). A wrong token
+(one value row's codes complemented, about 3 % of the output) breaks it
+(``test_a_wrong_token_breaks_the_tier``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from gpu.cuda.binding import HOST_EMULATION_ENV
+from gpu.cuda.fragment_cache import FragmentKVCache, append_fragment, fragment_decode_attention, write_rows
+from kvq_ref import QuantizedKV, TurboQuantMSE, attention_decode
+from kvq_ref.testing import mse_attention_tolerance
+from tests.gpu.test_cuda import device  # noqa: F401  (the host-emulation / GPU backends fixture)
+
+U_FRAG = 3 * 2.0**-11
+FRO_TOL = 6 * 2.0**-11
+
+
+def build(device, d, kb, vb, lengths, heads=2, sink=2, window=3, page_size=64, band_dtype=torch.float16, seed=0):
+    """A cache of len(lengths) sequences with `lengths[b]` encoded tokens (plus sink + window band tokens)
+    on shuffled pages; the kvq_ref caches, (batch, heads) of QuantizedKV."""
+    km, vm = TurboQuantMSE(d, kb, seed=seed + 1), TurboQuantMSE(d, vb, seed=seed + 2, norm_correction=True)
+    B = len(lengths)
+    per_seq = max(1, -(-max(lengths) // page_size))
+    cache = FragmentKVCache.allocate(km, vm, B, heads, num_pages=B * per_seq + 3, page_size=page_size,
+                                     pages_per_seq=per_seq, band_capacity=max(1, sink + window), band_dtype=band_dtype)
+    gen = torch.Generator().manual_seed(seed)
+    cache.block_table.copy_(torch.randperm(cache.kv.shape[0], generator=gen)[:B * per_seq].reshape(B, per_seq)
+                            .to(torch.int32))
+    rng = np.random.default_rng(seed)
+    ref = []
+    for b, n in enumerate(lengths):
+        row = []
+        for h in range(heads):
+            total = n + sink + window
+            K, V = rng.standard_normal((2, total, d)) * np.exp(rng.uniform(-1, 1, (2, total, 1)))
+            c = QuantizedKV.build(K, V, km, vm, sink, window)
+            if c.keys is not None:
+                write_rows(cache, b, h, c.keys.arrays["codes"], c.keys.arrays["norms"], c.values.arrays["codes"],
+                           c.values.arrays["norms"])
+            nb = c.band_keys.shape[0]
+            cache.band_k[b, h, :nb] = torch.from_numpy(c.band_keys).to(band_dtype)
+            cache.band_v[b, h, :nb] = torch.from_numpy(c.band_values).to(band_dtype)
+            cache.band_lens[b] = nb
+            row.append(c)
+        ref.append(row)
+    cache = FragmentKVCache(*[getattr(cache, f).to(device) if isinstance(getattr(cache, f), torch.Tensor)
+                              else getattr(cache, f) for f in FragmentKVCache.__dataclass_fields__])
+    return cache, ref
+
+
+def check(cache, ref, q, out, scale=None, out_ulp=0.0):
+    """Every query row within its mse_attention_tolerance at U_FRAG (module docstring); returns the
+    largest error / tolerance ratio."""
+    q = q.float().cpu().numpy().astype(np.float64)
+    got = out.float().cpu().numpy()
+    d = q.shape[-1]
+    scale = 1 / math.sqrt(d) if scale is None else scale
+    worst = 0.0
+    for b, row in enumerate(ref):
+        for h, c in enumerate(row):
+            if c.band_keys.shape[0] == 0 and c.keys is None:
+                np.testing.assert_array_equal(got[b, :, h], 0)  # sees no token: exactly 0
+                continue
+            qs = q[b, :, h].reshape(-1, d)
+            if c.band_keys.dtype != np.float16:
+                raise AssertionError("kvq_ref keeps its band in float16")
+            want = attention_decode(qs, c, scale=scale)
+            tol = mse_attention_tolerance(qs, c, c.key_method, c.value_method, scale, u=U_FRAG)
+            tol = tol + out_ulp * np.abs(want).max(axis=1)
+            diff = got[b, :, h].reshape(-1, d) - want
+            err = np.abs(diff).max(axis=1)
+            assert (err <= tol).all(), (b, h, err, tol)
+            fro = np.linalg.norm(diff) / np.linalg.norm(want)
+            assert fro <= FRO_TOL + out_ulp, (b, h, fro)
+            worst = max(worst, float((err / tol).max()))
+    return worst
+
+
+def _q(B, T, H, G, d, seed=5, dtype=torch.float32):
+    return torch.from_numpy(np.random.default_rng(seed).standard_normal((B, T, H, G, d)) * 2).to(dtype)
+
+
+@pytest.mark.parametrize("splits", [1, 3, 40])
+def test_split_counts_and_varying_lengths(device, splits):
+    """300 and 173 tokens in pages of 64: one split, a few, more splits than tiles (empty splits);
+    the shorter sequence ends in a partial tile (masked tokens)."""
+    cache, ref = build(device, 128, 2, 2, [300, 173])
+    q = _q(2, 1, 2, 4, 128).to(device)
+    worst = check(cache, ref, q, fragment_decode_attention(q, cache, splits=splits))
+    assert worst < 0.2
+
+
+@pytest.mark.parametrize("d,kb,vb,G,T", [(128, 3, 3, 8, 1), (128, 4, 4, 2, 3), (64, 2, 4, 1, 1), (256, 3, 2, 8, 1)])
+def test_bits_dims_and_groups(device, d, kb, vb, G, T):
+    """head_dim 64/128/256, 2/3/4-bit keys and values (int8 keys at 2 bits), G = 1/2/8, T G <= 8 rows."""
+    cache, ref = build(device, d, kb, vb, [97, 54], seed=d + kb)
+    q = _q(2, T, 2, G, d, seed=kb).to(device)
+    check(cache, ref, q, fragment_decode_attention(q, cache, splits=2))
+
+
+def test_band_only_empty_and_masked(device):
+    """A sequence with no encoded token (band only), one with a 17-token cache (one full tile and one
+    token), and one that sees nothing at all (its output is exactly 0)."""
+    cache, ref = build(device, 128, 4, 2, [0, 17, 0], sink=1, window=2)
+    cache.band_lens[2] = 0
+    ref[2] = [QuantizedKV.build(np.zeros((0, 128)), np.zeros((0, 128)), ref[0][0].key_method,
+                                ref[0][0].value_method) for _ in range(2)]
+    q = _q(3, 1, 2, 4, 128).to(device)
+    check(cache, ref, q, fragment_decode_attention(q, cache, splits=5))
+
+
+@pytest.mark.parametrize("qdtype,bdtype", [(torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16)])
+def test_16_bit_queries_and_band(device, qdtype, bdtype):
+    """Output in q's dtype (half an output ulp more); a bfloat16 band is what kvq_ref's float16 band
+    holds rounded to bfloat16, so the reference band is rounded the same way here."""
+    cache, ref = build(device, 128, 3, 4, [150, 80], band_dtype=bdtype)
+    if bdtype == torch.bfloat16:
+        for b, row in enumerate(ref):
+            for h, c in enumerate(row):
+                bk = cache.band_k[b, h, :c.band_keys.shape[0]].float().cpu().numpy().astype(np.float16)
+                bv = cache.band_v[b, h, :c.band_values.shape[0]].float().cpu().numpy().astype(np.float16)
+                row[h] = QuantizedKV(c.n, c.d, c.sink, c.window, bk, bv, c.key_method, c.value_method, c.keys, c.values)
+    q = _q(2, 1, 2, 4, 128).to(qdtype).to(device)
+    out = fragment_decode_attention(q, cache)
+    assert out.dtype == qdtype and out.shape == q.shape
+    check(cache, ref, q, out, out_ulp=2.0**-9 if qdtype == torch.bfloat16 else 2.0**-12)
+
+
+def test_append_then_attend(device):
+    """append_fragment's cache (bit-exact codes, tests/gpu/test_cuda_fragment.py) read by the kernel."""
+    km, vm = TurboQuantMSE(128, 2, seed=7), TurboQuantMSE(128, 3, seed=8)
+    cache = FragmentKVCache.allocate(km, vm, 1, 2, num_pages=4, page_size=32, pages_per_seq=4, device=device)
+    rng = np.random.default_rng(3)
+    K, V = rng.standard_normal((2, 1, 100, 2, 128)).astype(np.float32)
+    for a, b in ((0, 61), (61, 62), (62, 100)):
+        append_fragment(cache, torch.from_numpy(K[:, a:b]).to(device), torch.from_numpy(V[:, a:b]).to(device))
+    ref = [[QuantizedKV.build(K[0, :, h], V[0, :, h], km, vm) for h in range(2)]]
+    q = _q(1, 1, 2, 4, 128).to(device)
+    check(cache, ref, q, fragment_decode_attention(q, cache, max_seq_len=100))
+
+
+def test_a_wrong_token_breaks_the_tier(device):
+    """The tier has teeth: complementing one token's value codes (a layout or indexing slip) fails it."""
+    cache, ref = build(device, 128, 4, 4, [64], heads=1, sink=0, window=0)
+    q = _q(1, 1, 1, 4, 128).to(device)
+    check(cache, ref, q, fragment_decode_attention(q, cache))
+    c = ref[0][0]
+    codes = c.values.arrays["codes"].copy()
+    codes[40] = ~codes[40]  # the value codes of token 40, every one changed
+    bad = dataclasses.replace(c, values=dataclasses.replace(c.values, arrays={**c.values.arrays, "codes": codes}))
+    with pytest.raises(AssertionError):
+        check(cache, [[bad]], q, fragment_decode_attention(q, cache))
+
+
+def test_bad_arguments_are_refused(monkeypatch):
+    monkeypatch.setenv(HOST_EMULATION_ENV, "1")
+    km, vm = TurboQuantMSE(128, 2), TurboQuantMSE(128, 3)
+    with pytest.raises(ValueError, match="power of two >= 32"):
+        FragmentKVCache.allocate(km, vm, 1, 1, 2, 48, 1)
+    with pytest.raises(ValueError, match="head_dim"):
+        FragmentKVCache.allocate(TurboQuantMSE(96, 2), TurboQuantMSE(96, 2), 1, 1, 2, 32, 1)
+    with pytest.raises(ValueError, match="2, 3 or 4 bits"):
+        FragmentKVCache.allocate(TurboQuantMSE(128, 1), vm, 1, 1, 2, 32, 1)
+    with pytest.raises(ValueError, match="Hadamard"):
+        FragmentKVCache.allocate(TurboQuantMSE(128, 2, rotation="haar"), vm, 1, 1, 2, 32, 1)
+    cache = FragmentKVCache.allocate(km, vm, 2, 2, 4, 32, 2)
+    with pytest.raises(ValueError, match=r"T \* G must be <= 8"):
+        fragment_decode_attention(torch.zeros(2, 3, 2, 3, 128), cache)
+    with pytest.raises(ValueError, match="shape"):
+        fragment_decode_attention(torch.zeros(2, 1, 3, 4, 128), cache)
+    with pytest.raises(TypeError, match="float32/float16/bfloat16"):
+        fragment_decode_attention(torch.zeros(2, 1, 2, 4, 128, dtype=torch.float64), cache)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        fragment_decode_attention(torch.zeros(2, 1, 2, 4, 128), cache, max_seq_len=65)
+    with pytest.raises(ValueError, match="finite"):
+        fragment_decode_attention(torch.zeros(2, 1, 2, 4, 128), cache, scale=float("nan"))
+    with pytest.raises(TypeError, match="float16 or float32"):
+        append_fragment(cache, torch.zeros(2, 1, 2, 128, dtype=torch.int32), torch.zeros(2, 1, 2, 128))
+    with pytest.raises(ValueError, match="shape"):
+        append_fragment(cache, torch.zeros(2, 1, 2, 64), torch.zeros(2, 1, 2, 64))
