@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 OUT    := out
 
-.PHONY: demo test venv tables theory bench clean eval eval-deps notebooks repro docs
+.PHONY: demo test venv tables theory bench clean eval eval-deps notebooks repro docs plan-study
 
 venv: $(STAMP)
 
@@ -79,6 +79,18 @@ REPRO_RUN := $(VENV)/bin/kvq-eval run --model smollm2 --methods tq_mse3,nova --b
 repro: $(STAMP)
 	rm -rf results/repro
 	$(REPRO_RUN)
+
+# The planner's study (kvq-plan study, docs/plan.md), resumable, after `make eval`: its uniform
+# baselines are the 8K cells of $(EVAL_OUT). RAY=local|auto as above; `make plan-study DRY=1` counts
+# the cells each model still needs. Gemma-3 scores every 4th position (its 262K-token vocabulary
+# head is most of a cell's cost).
+PLAN_OUT := results/plan
+PLAN_STUDY = $(VENV)/bin/kvq-plan study $(if $(RAY),--ray $(RAY)) $(if $(DRY),--dry-run) --targets 0.5,1,3 \
+	--band 0,64 --candidates tq_mse2-8 --extrapolate-above 6 --baseline $(EVAL_OUT) --out $(PLAN_OUT)
+plan-study: $(STAMP)
+	$(PLAN_STUDY) --model smollm2
+	$(PLAN_STUDY) --model gemma3 --stride 4
+	[ -n "$(DRY)" ] || for m in smollm2 gemma3; do $(VENV)/bin/kvq-plan plot $(PLAN_OUT)/$$m/study.json -o $(PLAN_OUT)/$$m/study || exit 1; done
 
 # The demo writes only under $(OUT)/ (ignored by git): regenerated curves differ from the committed
 # results/theory/ in last digits across machines (BLAS, libm), so a demo run never dirties the checkout.

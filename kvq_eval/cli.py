@@ -3,6 +3,7 @@
 Examples
 --------
 kvq-eval run --model smollm2 --methods tq_mse4,nova --ctx 1024,4096,8192 --band none --band 64,256
+kvq-eval run --model smollm2 --plan plan.json --tasks ppl,niah --ppl-windows 8192x7 --ctx 4096,8192
 kvq-eval plot results/eval_v3 --model smollm2 -o results/eval_v3/smollm2
 kvq-eval table results/eval_v3 --model smollm2
 kvq-eval compare results/eval_v3 tq_mse4@none fp32
@@ -55,6 +56,15 @@ def _entries(text: str | None):
     return names
 
 
+def _plans(paths, model: str) -> list[str]:
+    """Load, check and register each ``--plan`` file (``kvq_eval.planfile``); their method names."""
+    if not paths:
+        return []
+    from .planfile import load_plan, register_plan
+
+    return [register_plan(load_plan(p, model=model)) for p in paths]
+
+
 def _windows(text: str) -> list[tuple[int, int]]:
     """``1024x8,8192x4`` -> [(1024, 8), (8192, 4)]."""
     out = []
@@ -81,7 +91,10 @@ def grid_kwargs(args) -> dict:
     bands = args.band or ["none"]
     for b in bands:
         parse_band(b)
-    return dict(model=args.model, methods=_methods(args.methods), out=args.out,
+    plans = _plans(getattr(args, "plan", None), args.model)
+    # an empty --methods is refused by checks.check_run (no method given), not read as the default
+    methods = _methods(args.methods if args.methods is not None else ("fp32" if plans else "default")) + plans
+    return dict(model=args.model, methods=methods, out=args.out,
                 contexts=parse_int_list(args.ctx, "--ctx"), tasks=[t.strip() for t in args.tasks.split(",")],
                 variants=[v.strip() for v in args.variants.split(",")],
                 depths=parse_float_list(args.depths, "--depths"), samples=args.samples, bands=bands,
@@ -293,9 +306,13 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="run (or resume) the evaluation grid")
     r.add_argument("--model", default="smollm2", choices=["smollm2", "gemma3"])
-    r.add_argument("--methods", default="default",
-                   help="comma list, or 'default' for every method; <method>:keys (or :values) applies "
-                   "a method to the keys only (values only), the other half stored exactly")
+    r.add_argument("--methods", default=None,
+                   help="comma list, or 'default' for every method (the default unless --plan is given); "
+                   "<method>:keys (or :values) applies a method to the keys only (values only), the other "
+                   "half stored exactly")
+    r.add_argument("--plan", action="append", default=None, metavar="PLAN.json",
+                   help="a per-layer plan made by kvq-plan, evaluated as the entry plan:<name>@<its band> "
+                   "(its own band only, whatever --band says); repeat for several")
     r.add_argument("--ctx", default="1024", help="needle contexts in tokens, e.g. 1024,4096,8192")
     r.add_argument("--tasks", default="ppl,niah", help="comma list of ppl, niah, decode, layers")
     r.add_argument("--variants", default="single,multiquery")

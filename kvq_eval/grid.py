@@ -90,8 +90,18 @@ def _entry_file(name: str) -> str:
     return name.replace(":", "_").replace("@", "__").replace(",", "-").replace("+", "_")
 
 
+def _own_band(method: str) -> Band:
+    info = method_info(method)
+    return Band(info.get("sink", 0), info.get("window", 0))
+
+
 def _entry_stale(name: str, entry: dict, calib_tokens: int) -> bool:
     method = parse_entry(name)[0]
+    if method.startswith("plan:"):  # a plan's entry is of the plan file with that digest only
+        from .planfile import registered_plans
+
+        have = registered_plans().get(method)
+        return have is None or ((entry.get("provenance") or {}).get("artifacts") or {}).get("plan") != have[1]
     return _calibrated(method) and entry.get("calib_tokens") != calib_tokens
 
 
@@ -156,17 +166,19 @@ def plan(model: str, methods, out, contexts=(1024,), tasks=("ppl", "niah"), vari
     quant = [m for m in methods if m != "fp32"]
     root = Path(out) / model
     units = []
-    entries = ["fp32"] + [entry_id(m, b, p) for m in quant for b in parsed for p in prefill]
+    # a plan (kvq_eval.planfile) is a whole setting: it runs with its own band only
+    bands_of = {m: [_own_band(m)] if m.startswith("plan:") else parsed for m in quant}
+    entries = ["fp32"] + [entry_id(m, b, p) for m in quant for b in bands_of[m] for p in prefill]
     if "ppl" in tasks:
         for tokens, count in ppl_windows:
             for m in quant:
-                for b in parsed:
+                for b in bands_of[m]:
                     e = entry_id(m, b)
                     units.append({"task": "ppl", "entry": e, "tokens": tokens, "windows": count,
                                   "path": root / "ppl" / f"{_entry_file(e)}__T{tokens}x{count}.json"})
     if "layers" in tasks:
         for m in quant:
-            for b in parsed:
+            for b in bands_of[m]:
                 e = entry_id(m, b)
                 units.append({"task": "layers", "entry": e, "tokens": layers_tokens,
                               "path": root / "layers" / f"{_entry_file(e)}__T{layers_tokens}.json"})

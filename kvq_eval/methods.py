@@ -42,7 +42,7 @@ from kvq_ref.turboquant import TurboQuantMSE, TurboQuantProd, TurboQuantSplit
 
 from .keyopts import study_methods
 
-__all__ = ["MethodSpec", "Identity", "Blocked", "METHODS", "DEFAULT_METHODS", "make_spec", "method_info"]
+__all__ = ["MethodSpec", "Identity", "Blocked", "METHODS", "DEFAULT_METHODS", "PLANS", "make_spec", "method_info"]
 
 
 @dataclass(frozen=True)
@@ -253,19 +253,27 @@ DEFAULT_METHODS = ("tq_mse2", "tq_mse3", "tq_mse4", "tq_prod3", "tq_prod4", "tq_
 
 _HALVES = {"keys": "key", "values": "value"}
 
+#: Per-layer plans registered as methods ``plan:<name>`` (``kvq_eval.planfile.register_plan``).
+PLANS: dict[str, dict] = {}
+
 
 def method_info(name: str) -> dict:
-    """The registry entry of a method name, ``<method>:keys``/``:values`` included (module docstring).
+    """The registry entry of a method name, ``<method>:keys``/``:values`` and the registered plans'
+    ``plan:<name>`` (``kvq_eval.planfile``) included (module docstring).
 
     Raises ``ValueError`` naming the known methods for anything else. The entry of a half method has
     no ``nominal_bits`` (half of the cache is stored exactly).
     """
     if not isinstance(name, str):
         raise TypeError(f"method name must be a str, got {type(name).__name__}")
+    if name in PLANS:
+        return dict(PLANS[name])
     base, sep, half = name.partition(":")
     if base not in METHODS or (sep and half not in _HALVES):
+        plans = (f"; plans: {', '.join(sorted(PLANS))}" if PLANS else
+                 " (a plan is loaded by kvq-eval run --plan FILE)" if base == "plan" else "")
         raise ValueError(f"unknown method {name!r}; known: {', '.join(sorted(METHODS))}, "
-                         f"each also as <method>:keys or <method>:values")
+                         f"each also as <method>:keys or <method>:values{plans}")
     kw = dict(METHODS[base])
     if half:
         role, make = _HALVES[half], kw["make"]

@@ -61,7 +61,7 @@ from .niah import VARIANTS, exact_match, haystack_part, make_sample
 from .provenance import PROTOCOL, environment, provenance
 from .text import part, ppl_text
 
-__all__ = ["Evaluator", "run_grid", "entry_id", "parse_entry", "POSITION_BINS", "PREFILL_MODES"]
+__all__ = ["Evaluator", "run_grid", "ray_map", "entry_id", "parse_entry", "POSITION_BINS", "PREFILL_MODES"]
 
 POSITION_BINS = 16
 
@@ -71,7 +71,7 @@ def ids_sha256(ids) -> str:
     return hashlib.sha256(np.ascontiguousarray(ids.numpy(), dtype="<i8").tobytes()).hexdigest()
 
 
-def _window_stats(ref, out, target, chunk: int = 512, head=None) -> dict:
+def _window_stats(ref, out, target, chunk: int = 512, head=None, ref_logits: bool = False) -> dict:
     """Summed NLL of the quantized and the fp32 logits, KL(fp32 || quant), top-1 agreement and the
     NLL/KL change per position bin, for logits (T, vocab) predicting ``target`` (T,).
 
@@ -79,6 +79,8 @@ def _window_stats(ref, out, target, chunk: int = 512, head=None) -> dict:
     would otherwise hold several 3 GiB arrays at once. With ``head`` (``Evaluator._head``),
     ``ref`` and ``out`` are final hidden states (T, hidden) and each chunk's logits are formed
     here: an 8K window of Gemma's 262K-token vocabulary never holds its 8.6 GB of logits.
+    ``ref_logits``: ``ref`` already holds the reference's logits (the planner's cells share one
+    window's reference across many cells, ``kvq_eval.sensitivity``).
     """
     import torch
 
@@ -88,7 +90,7 @@ def _window_stats(ref, out, target, chunk: int = 512, head=None) -> dict:
     for lo in range(0, target.numel(), chunk):
         r, o, tg = ref[lo:lo + chunk], out[lo:lo + chunk], target[lo:lo + chunk]
         if head is not None:
-            r, o = head(r), head(o)
+            r, o = (r if ref_logits else head(r)), head(o)
         r, o = r.double(), o.double()
         lp, lq = torch.log_softmax(r, -1), torch.log_softmax(o, -1)
         nf.append(-lp.gather(1, tg[:, None])[:, 0])
@@ -131,7 +133,12 @@ class Evaluator:
         self.env = environment()
 
     def provenance(self, method: str) -> dict:
-        """The record an entry of ``method`` carries (``kvq_eval.provenance``)."""
+        """The record an entry of ``method`` carries (``kvq_eval.provenance``); a plan's records the
+        digest of its file (``kvq_eval.planfile``)."""
+        if method.startswith("plan:"):
+            from .planfile import registered_plans
+
+            return provenance(self.env, {"plan": registered_plans()[method][1]})
         if method == "fp32" or not method_info(method).get("calibrated"):
             return provenance(self.env)
         return provenance(self.env, self.tables.digests(official=method.split(":")[0] == "nova_official"))
@@ -433,10 +440,15 @@ def _finish(model: str, unit: dict, res: dict, seconds: float) -> None:
 _WORKER_EVALUATORS: dict = {}
 
 
-def _worker_compute(model: str, calibrate: bool, calib_tokens: int, unit: dict, need: list[str]):
+def _worker_compute(model: str, calibrate: bool, calib_tokens: int, unit: dict, need: list[str], plans=()):
     """A Ray task: (result, seconds); the evaluator is built once per worker process. A perplexity
     cell resumes from (and saves) its finished windows like a serial run: on a shared folder an
-    interrupted Ray run also continues where it stopped."""
+    interrupted Ray run also continues where it stopped. ``plans``: the driver's registered plans
+    (their files' JSON), registered here too."""
+    from .planfile import plan_from_json, register_plan
+
+    for obj in plans:
+        register_plan(plan_from_json(obj))
     key = (model, calibrate, calib_tokens)
     if key not in _WORKER_EVALUATORS:
         _WORKER_EVALUATORS[key] = Evaluator(model, calibrate=calibrate, calib_tokens=calib_tokens)
@@ -445,7 +457,15 @@ def _worker_compute(model: str, calibrate: bool, calib_tokens: int, unit: dict, 
     return res, time.perf_counter() - t0
 
 
-def _run_ray(model, todo, calibrate, calib_tokens, address, num_gpus, show, summary):
+def ray_map(fn, calls: list, on_result, address, num_gpus: float, show: bool, desc: str) -> None:
+    """Run ``fn(*args)`` for every ``args`` in ``calls`` as Ray tasks (one CPU and ``num_gpus`` each)
+    and call ``on_result(index, result)`` in the driver as each finishes, with a progress bar.
+
+    ``address``: ``"local"`` (or None) starts a Ray instance on this machine, ``"auto"`` or an
+    address joins a running cluster (``ValueError`` saying what to do when there is none). A Ray
+    instance started here is shut down at the end. Shared by the grid (``run_grid``) and the
+    planner's sensitivity cells (``kvq_eval.sensitivity``).
+    """
     import ray
     from tqdm import tqdm
 
@@ -458,20 +478,30 @@ def _run_ray(model, todo, calibrate, calib_tokens, address, num_gpus, show, summ
             raise ValueError(f"--ray {address}: no Ray cluster to join ({exc}); start one with 'ray start --head' "
                              f"or run on a local Ray instance with --ray local") from None
     try:
-        task = ray.remote(num_gpus=num_gpus, num_cpus=1)(_worker_compute)
-        pending = {task.remote(model, calibrate, calib_tokens, unit, need): unit for unit, need in todo}
-        bar = tqdm(total=len(pending), desc=f"kvq-eval {model} (ray)", unit="cell", disable=not show)
+        task = ray.remote(num_gpus=num_gpus, num_cpus=1)(fn)
+        pending = {task.remote(*args): i for i, args in enumerate(calls)}
+        bar = tqdm(total=len(pending), desc=desc, unit="cell", disable=not show)
         while pending:
             done, _ = ray.wait(list(pending), num_returns=1)
-            unit = pending.pop(done[0])
-            res, seconds = ray.get(done[0])
-            _finish(model, unit, res, seconds)
-            summary["ran"] += 1
+            on_result(pending.pop(done[0]), ray.get(done[0]))
             bar.update()
         bar.close()
     finally:
         if started:
             ray.shutdown()
+
+
+def _run_ray(model, todo, calibrate, calib_tokens, address, num_gpus, show, summary):
+    from .planfile import plan_json, registered_plans
+
+    plans = [plan_json(p) for p, _ in registered_plans().values()]
+
+    def finished(i, out):
+        _finish(model, todo[i][0], *out)
+        summary["ran"] += 1
+
+    ray_map(_worker_compute, [(model, calibrate, calib_tokens, unit, need, plans) for unit, need in todo], finished,
+            address, num_gpus, show, f"kvq-eval {model} (ray)")
 
 
 def _reuse(model: str, todo: list, out, old, calib_tokens: int) -> dict:

@@ -1,0 +1,228 @@
+"""The planner's study: per-layer plans at several targets against the cheapest uniform settings.
+
+``run_study`` (``kvq-plan study``), for one model and each target:
+
+1. searches the plan (``kvq_eval.planner``; the sensitivity cells are shared by every target, and a
+   plan file already written by an identical search is read back, so the study resumes);
+2. evaluates it like any method (``kvq_eval.runner.run_grid`` with the plan registered): perplexity on
+   the held-out windows of ``context`` tokens (``eval_windows`` consecutive windows from the start of
+   ``heldout``, protocol v3) and, unless ``needles=0``, the needle test at ``needle_contexts`` (the
+   single-needle variant, depths 0.1..0.9, ``needles / 5`` samples per depth), where the uniform
+   baseline is run on the same samples;
+3. finds the cheapest uniform setting meeting the same target among the baseline folder's
+   perplexity cells of ``context`` tokens (``kvq-eval`` results: the upper end of the window t
+   interval at most the target), and compares: a paired test over the windows both hold (same
+   text, same token ids where recorded; ``plot.paired_ppl``), McNemar's test and the paired
+   log-probability test on the needle samples (``plot.paired_comparison``);
+4. records where the bits went (keys and values per layer).
+
+Everything lands in ``<out>/<model>/study.json`` (written whole; the cells it reads are under
+``<out>/<model>/``); ``plot_study`` draws the chart from that JSON alone.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["run_study", "uniform_settings", "plot_study", "NEEDLE_DEPTHS"]
+
+NEEDLE_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
+
+
+def uniform_settings(baseline, model: str, tokens: int) -> list[dict]:
+    """Every perplexity entry of a ``kvq-eval`` results folder at ``tokens`` tokens with an interval:
+    ``{"entry", "bits", "dppl", "ci", "windows"}``, by stored bits (plans excluded)."""
+    from .plot import load_results, ppl_summary
+
+    res = load_results(baseline, model)
+    out = []
+    for entry, by_t in ppl_summary(res).items():
+        row = by_t.get(tokens)
+        if row is None or row["ci"] is None or entry.startswith("plan:"):
+            continue
+        out.append({"entry": entry, "bits": row["bits"], "dppl": row["dppl"], "ci": list(row["ci"]),
+                    "windows": row["windows"]})
+    return sorted(out, key=lambda r: (r["bits"], r["entry"]))
+
+
+def _cheapest(uniform: list[dict], target_pct: float) -> dict | None:
+    ok = [u for u in uniform if u["ci"][1] <= target_pct]
+    return min(ok, key=lambda u: (u["bits"], u["ci"][1])) if ok else None
+
+
+def _search_record(cfg) -> dict:
+    return {**asdict(cfg), "band": list(cfg.band), "candidates": list(cfg.candidates), "measured": list(cfg.measured)}
+
+
+def _plan(cfg, out: Path, ray, progress, log):
+    """The plan of ``cfg``: read back when an identical search wrote it, else searched and written."""
+    from .planfile import load_plan, save_plan
+    from .planner import default_name, search
+
+    path = out / cfg.model / "plans" / f"{cfg.name or default_name(cfg)}.json"
+    if path.is_file():
+        plan = load_plan(path, model=cfg.model)
+        if plan.record.get("search") == _search_record(cfg):
+            log(f"{path}: the plan of this search, read back")
+            return plan, path
+    plan = search(cfg, out, ray=ray, progress=progress, log=log)
+    save_plan(plan, path)
+    return plan, path
+
+
+def _paired(plan_row: dict, base_row: dict, a: str, b: str, tokens: int) -> dict | None:
+    """Paired window test of the plan's and the uniform setting's cells, or None (with the reason)
+    when they do not hold the same windows."""
+    from .plot import paired_ppl
+
+    if plan_row.get("text") != base_row.get("text"):
+        return {"error": f"different texts ({plan_row.get('text')} vs {base_row.get('text')})"}
+    wa, wb = plan_row["windows"], base_row["windows"]
+    n = min(len(wa), len(wb))
+    ids_a, ids_b = [w.get("ids_sha256") for w in wa[:n]], [w.get("ids_sha256") for w in wb[:n]]
+    if any(x is not None and y is not None and x != y for x, y in zip(ids_a, ids_b)):
+        return {"error": "the windows' token ids differ"}
+    res = {"ppl": {a: {tokens: {"windows": wa[:n]}}, b: {tokens: {"windows": wb[:n]}}}}
+    try:
+        out = paired_ppl(res, a, b)[tokens]
+    except ValueError as exc:
+        return {"error": str(exc)}
+    out["ids_checked"] = all(x is not None and y is not None for x, y in zip(ids_a, ids_b))
+    return out
+
+
+def run_study(configs, out, baseline, ray: str | None = None, needles: int = 30, needle_contexts=(4096, 8192),
+              eval_windows: int = 7, progress: bool | None = None, log=print) -> Path:
+    """Run (or resume) the study of ``configs`` (``planner.SearchConfig``, one per target, one model and
+    context) and write ``<out>/<model>/study.json`` (module docstring); returns its path."""
+    from .grid import _write, parse_entry
+    from .plot import load_results, niah_summary, paired_comparison, ppl_summary
+    from .planfile import register_plan, stored_bits
+    from .runner import run_grid
+
+    configs = list(configs)
+    if not configs or len({(c.model, c.context) for c in configs}) != 1:
+        raise ValueError("a study needs at least one search config, all of one model and context")
+    if isinstance(needles, bool) or not isinstance(needles, int) or needles < 0 or needles % len(NEEDLE_DEPTHS):
+        raise ValueError(f"needles must be a non-negative multiple of {len(NEEDLE_DEPTHS)}, got {needles!r}")
+    model, tokens = configs[0].model, configs[0].context
+    out, root = Path(out), Path(out) / configs[0].model
+    uniform = uniform_settings(baseline, model, tokens)
+    plans = []
+    for cfg in configs:
+        plan, path = _plan(cfg, out, ray, progress, log)
+        register_plan(plan)
+        plans.append((cfg, plan, path))
+    eval_dir = root.parent / "eval"
+    run_grid(model, [p.method for _, p, _ in plans], eval_dir, tasks=("ppl",), ppl_windows=((tokens, eval_windows),),
+             ray=ray, progress=progress)
+    base_of = {cfg.target: _cheapest(uniform, 100 * cfg.target) for cfg in configs}
+    if needles:
+        groups: dict = {}
+        for b in {u["entry"] for u in base_of.values() if u}:
+            method, band, _ = parse_entry(b)
+            groups.setdefault(band.label, []).append(method)
+        for i, band in enumerate(sorted(groups) or ["none"]):
+            methods = groups.get(band, []) + ([p.method for _, p, _ in plans] if i == 0 else [])
+            run_grid(model, methods, eval_dir, contexts=tuple(needle_contexts), tasks=("niah",), variants=("single",),
+                     depths=NEEDLE_DEPTHS, samples=needles // len(NEEDLE_DEPTHS), bands=(band,), ray=ray,
+                     progress=progress)
+    res = load_results(eval_dir, model)
+    base_res = load_results(baseline, model)
+    summ = ppl_summary(res)
+    niah = niah_summary(res["niah"])
+    rows = []
+    for cfg, plan, path in plans:
+        bits = stored_bits(plan)
+        base = base_of[cfg.target]
+        row = {"target_pct": 100 * cfg.target, "plan": {
+            "name": plan.name, "entry": plan.entry, "file": str(path), "bits": bits["bits_per_element"],
+            "key_rate": bits["key_rate"], "value_rate": bits["value_rate"],
+            "key_bits": plan.bits("key"), "value_bits": plan.bits("value"), "layers": [list(p) for p in plan.layers],
+            "validated": plan.record["quality"], "rounds": len(plan.record["validation"]["rounds"]),
+            "model_check": plan.record.get("model_check"), "search_seconds": plan.record.get("wall_seconds")}}
+        held = summ.get(plan.entry, {}).get(tokens)
+        row["plan"]["heldout"] = None if held is None else {k: held[k] for k in ("dppl", "ci", "windows", "kl", "top1")}
+        row["plan"]["heldout_meets_target"] = None if held is None else held["ci"][1] <= 100 * cfg.target
+        row["uniform"] = base
+        if base is not None:
+            row["uniform_bits_saved"] = base["bits"] - bits["bits_per_element"]
+            row["paired"] = _paired(res["ppl"][plan.entry][tokens], base_res["ppl"][base["entry"]][tokens],
+                                    plan.entry, base["entry"], tokens) if held is not None else None
+            try:
+                row["needles_paired"] = {str(c): v for c, v in paired_comparison(res["niah"], plan.entry,
+                                                                                 base["entry"]).items()}
+            except ValueError as exc:
+                row["needles_paired"] = {"error": str(exc)}
+        row["needles"] = {e: {str(c): r for c, r in niah.get(e, {}).items()}
+                          for e in ([plan.entry] + ([base["entry"]] if base else []))}
+        rows.append(row)
+    study = {"model": model, "context": tokens, "baseline": str(baseline), "eval": str(eval_dir),
+             "eval_windows": eval_windows, "needles": needles, "needle_contexts": list(needle_contexts),
+             "uniform": uniform, "targets": rows}
+    path = root / "study.json"
+    _write(path, json.loads(json.dumps(study, default=_jsonable)))
+    return path
+
+
+def _jsonable(x):
+    if isinstance(x, (np.integer,)):
+        return int(x)
+    if isinstance(x, (np.floating,)):
+        return float(x)
+    if isinstance(x, tuple):
+        return list(x)
+    raise TypeError(f"{type(x).__name__} is not JSON")
+
+
+def plot_study(study_path, prefix) -> list[Path]:
+    """The study's chart from its JSON: per target, the stored bits of keys and values per layer, and
+    the held-out perplexity change against stored bits of the plans and the uniform settings."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    study = json.loads(Path(study_path).read_text())
+    rows = study["targets"]
+    if not rows:
+        raise ValueError(f"{study_path}: no target in the study")
+    fig, axes = plt.subplots(1, len(rows) + 1, figsize=(4.2 * (len(rows) + 1), 3.8), squeeze=False)
+    for ax, row in zip(axes[0], rows):
+        kb, vb = row["plan"]["key_bits"], row["plan"]["value_bits"]
+        x = np.arange(len(kb))
+        ax.bar(x - 0.2, [b if b is not None else np.nan for b in kb], 0.4, label="keys", color="tab:blue")
+        ax.bar(x + 0.2, [b if b is not None else np.nan for b in vb], 0.4, label="values", color="tab:orange")
+        ax.set_xlabel("layer")
+        ax.set_ylabel("TurboQuantMSE bits")
+        ax.set_title(f"target {row['target_pct']:g} %: {row['plan']['bits']:.2f} stored bits", fontsize=9)
+        ax.legend(fontsize=7)
+    ax = axes[0][-1]
+    uni = study["uniform"]
+    if uni:
+        ub = np.array([u["bits"] for u in uni])
+        ud = np.array([u["dppl"] for u in uni])
+        err = np.array([[u["dppl"] - u["ci"][0] for u in uni], [u["ci"][1] - u["dppl"] for u in uni]])
+        ax.errorbar(ub, ud, yerr=err, fmt="o", color="0.6", ms=3, lw=0.8, label="uniform settings")
+    for row in rows:
+        h = row["plan"].get("heldout")
+        if h:
+            ax.errorbar([row["plan"]["bits"]], [h["dppl"]], yerr=[[h["dppl"] - h["ci"][0]], [h["ci"][1] - h["dppl"]]],
+                        fmt="s", ms=5, label=f"plan, target {row['target_pct']:g} %")
+        ax.axhline(row["target_pct"], color="0.8", lw=0.6, ls="--")
+    ax.set_yscale("symlog", linthresh=1.0)
+    ax.set_xlabel("stored bits per element")
+    ax.set_ylabel(f"perplexity change at {study['context']} tokens (%), 95% t-CI")
+    ax.set_title(f"{study['model']}: held-out windows", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    out = Path(f"{prefix}.png")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return [out]
+
