@@ -400,6 +400,8 @@ def figures(res: dict, model: str, variant: str = "single") -> dict:
     ax1.grid(True, alpha=0.3)
     if pp:
         ax1.legend(fontsize=8)
+    else:  # an empty panel must not read as a drawing error
+        ax1.text(0.5, 0.5, "no perplexity cells yet", ha="center", va="center", transform=ax1.transAxes)
     contexts = sorted({c for by in nh.values() for c in by})
     for c in contexts:
         pts = [(e, by[c]) for e, by in sorted(nh.items()) if c in by and e != "fp32"]

@@ -314,3 +314,16 @@ def test_table_and_compare_default_to_the_single_needle(folder, capsys):
     assert "| 1024 | 12 | 0 | 3 | 7 | 2 | 0.25 | -0.50 [-0.50, -0.50] |" in capsys.readouterr().out
     assert main(["compare", str(folder), "tq_mse4@none", "fp32", "--variant", "all"]) == 0
     assert "| 1024 | 24 | 0 | 3 | 7 | 14 |" in capsys.readouterr().out
+
+
+def test_chart_says_when_no_perplexity_cell_exists(folder):
+    # a model whose grid has only needle cells so far: the perplexity panel says so instead of
+    # drawing empty axes that read as a plotting error
+    from kvq_eval.plot import figures
+
+    res = load_results(folder, "smollm2")
+    ax = figures(res, "smollm2")["quality_vs_bits"].axes[0]
+    assert ax.containers and "no perplexity cells yet" not in [t.get_text() for t in ax.texts]
+    res["ppl"] = {}
+    ax = figures(res, "smollm2")["quality_vs_bits"].axes[0]
+    assert not ax.containers and [t.get_text() for t in ax.texts] == ["no perplexity cells yet"]
