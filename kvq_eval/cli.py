@@ -60,7 +60,12 @@ def _plans(paths, model: str) -> list[str]:
     """Load, check and register each ``--plan`` file (``kvq_eval.planfile``); their method names."""
     if not paths:
         return []
+    import torch
+
+    from .models import share_threads
     from .planfile import load_plan, register_plan
+
+    share_threads(torch)  # checking a plan builds kvq_ref quantizers: Numba must not move torch's threads first
 
     return [register_plan(load_plan(p, model=model)) for p in paths]
 

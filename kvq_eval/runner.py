@@ -444,9 +444,14 @@ def _worker_compute(model: str, calibrate: bool, calib_tokens: int, unit: dict, 
     """A Ray task: (result, seconds); the evaluator is built once per worker process. A perplexity
     cell resumes from (and saves) its finished windows like a serial run: on a shared folder an
     interrupted Ray run also continues where it stopped. ``plans``: the driver's registered plans
-    (their files' JSON), registered here too."""
+    (their files' JSON), registered here too, after the thread count is fixed: registering builds
+    kvq_ref quantizers, and Numba's threading layer starting first would move torch to every core."""
+    import torch
+
+    from .models import share_threads
     from .planfile import plan_from_json, register_plan
 
+    share_threads(torch)
     for obj in plans:
         register_plan(plan_from_json(obj))
     key = (model, calibrate, calib_tokens)

@@ -170,3 +170,29 @@ def test_registered_plan_is_a_method_with_its_own_band(tmp_path):
     assert _entry_stale(p.entry, {}, 1024)
     with pytest.raises(ValueError, match="unknown method 'plan:never'.*plans: .*plan:reg-test"):
         parse_entry("plan:never@none")
+
+
+_FRESH = """
+import sys, torch
+from kvq_eval.cli import _plans
+assert torch.get_num_threads() == 1
+_plans([sys.argv[1]], "smollm2")  # as kvq-eval run --plan does before any model is loaded
+print(torch.get_num_threads())
+"""
+
+
+def test_loading_a_plan_keeps_torchs_thread_count(tmp_path):
+    """Checking and registering a plan builds kvq_ref quantizers; if Numba's threading layer started
+    there, before ``models.share_threads``, it moved torch from OMP_NUM_THREADS=1 to every core (a
+    Ray worker registering the driver's plans then computed other float32 sums than the serial run:
+    tests/kvq_eval/test_ray.py failed after test_planner.py's end-to-end search). A fresh process,
+    since Numba's layer starts once per process."""
+    import os
+    import subprocess
+    import sys
+
+    path = save_plan(Plan("fresh", "smollm2", [("tq_mse4", "tq_mse3")] * 30, 0, 8, 32, 0.01), tmp_path / "p.json")
+    done = subprocess.run([sys.executable, "-c", _FRESH, str(path)], capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1] == "1"
