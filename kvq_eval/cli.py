@@ -66,7 +66,6 @@ def _plans(paths, model: str) -> list[str]:
     from .planfile import load_plan, register_plan
 
     share_threads(torch)  # checking a plan builds kvq_ref quantizers: Numba must not move torch's threads first
-
     return [register_plan(load_plan(p, model=model)) for p in paths]
 
 
