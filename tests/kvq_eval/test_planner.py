@@ -33,8 +33,12 @@ def ev():
 
     from kvq_eval.sensitivity import _evaluator
 
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)  # float32 sums depend on the thread count; Ray workers run on one
-    return _evaluator("smollm2")
+    yield _evaluator("smollm2")
+    # restored: later tests compare with cells made at the session's count (test_reproduce skipped
+    # its bit-for-bit check while this fixture left torch on one thread)
+    torch.set_num_threads(threads)
 
 
 @pytest.mark.model
