@@ -71,8 +71,8 @@ def locate_gguf(name: str) -> Path:
 
 
 def load_model(name: str = "smollm2"):
-    """(model, tokenizer, info) in float32 on CPU, evaluation mode; torch's thread count is shared
-    with Numba first (``share_threads``), so that kvq_ref kernels run later cannot move it.
+    """(model, tokenizer, info) in float32 on CPU, evaluation mode; torch's thread count goes to
+    Numba first (``share_threads``), so that kvq_ref kernels run later cannot move it.
 
     Parameters
     ----------

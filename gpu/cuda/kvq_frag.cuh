@@ -19,6 +19,17 @@
 #define KVQ_FRAG_TILE 16
 #define KVQ_FRAG_NORM_BYTES 64
 
+// the build passes head_dim and the key/value bits of each compiled instance; defaults for a bare compile
+#ifndef KVQ_FRAG_D
+#define KVQ_FRAG_D 128
+#endif
+#ifndef KVQ_FRAG_KB
+#define KVQ_FRAG_KB 4
+#endif
+#ifndef KVQ_FRAG_VB
+#define KVQ_FRAG_VB 4
+#endif
+
 template <int D, int B>
 struct KvqSide {
   static constexpr int kWords = D * B / 64;               // words per lane

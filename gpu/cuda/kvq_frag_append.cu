@@ -14,16 +14,6 @@
 #include "kvq_frag.cuh"
 #include "kvq_quant.cuh"
 
-#ifndef KVQ_FRAG_D
-#define KVQ_FRAG_D 128
-#endif
-#ifndef KVQ_FRAG_KB
-#define KVQ_FRAG_KB 4
-#endif
-#ifndef KVQ_FRAG_VB
-#define KVQ_FRAG_VB 4
-#endif
-
 struct FragQuant {  // one TurboQuantMSE: float64 table, rotation, norm correction
   const double* thresholds;
   const double* levels;

@@ -18,16 +18,6 @@
 // int8 keys' 32 more registers of quads
 #define KVQ_FRAG_MIN_BLOCKS(D, KB) ((D) >= 256 ? ((KB) == 2 ? 2 : 3) : 4)
 
-#ifndef KVQ_FRAG_D
-#define KVQ_FRAG_D 128
-#endif
-#ifndef KVQ_FRAG_KB
-#define KVQ_FRAG_KB 4
-#endif
-#ifndef KVQ_FRAG_VB
-#define KVQ_FRAG_VB 4
-#endif
-
 // dtype codes of q, out and the band
 #define KVQ_DT_F32 0
 #define KVQ_DT_F16 1
