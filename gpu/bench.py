@@ -19,8 +19,9 @@ What it does, in order:
    ``append_fragment`` read back bit-exact and ``fragment_decode_attention`` within 2e-3.
 3. Decode attention, paged (pages of 256 tokens in a shuffled block table), head_dim 128, GQA group 4,
    8 KV heads, for each batch x context x bits (K and V at the same width) and backend
-   (``paged_decode_attention(..., backend="triton" | "cuda")``: gpu.triton.cache's kernels, or the CUDA
-   fragment kernel of gpu.cuda.fragment_cache), and fp16 SDPA pinned to the FlashAttention backend on
+   (``paged_decode_attention(..., backend="triton" | "cuda" | "cuda-plain")``: gpu.triton.cache's
+   kernels, or the CUDA fragment kernel of gpu.cuda.fragment_cache with its merge kernel launched as a
+   programmatic dependent of the split kernel, or plainly after it), and fp16 SDPA pinned to the FlashAttention backend on
    the same shapes (the group folded into the query length, so the fp16 K/V is read once per KV head)
    with its own GB/s. Each row reports its fraction of the read probe and of the spec, and its
    speedup against FlashAttention and against the ideal fp16 read (fp16 K/V bytes at the spec).
@@ -56,7 +57,7 @@ from pathlib import Path
 TARGETS = {"fraction_of_reference_bandwidth_at_32k_plus": 0.7, "speedup_vs_sdpa_4bit": 3.0,
            "speedup_vs_sdpa_2bit": 5.0, "append_fraction_of_reference_bandwidth": 0.5}
 SPEC_BPS = {"H200": 4.8e12, "H100": 3.35e12}  # HBM bandwidth by device name (the first that matches)
-BACKENDS = ("triton", "cuda")
+BACKENDS = ("triton", "cuda", "cuda-plain")
 
 
 def spec_bandwidth(name: str):
@@ -65,14 +66,17 @@ def spec_bandwidth(name: str):
 
 
 def paged_decode_attention(q, cache, ktable, vtable, *, backend: str = "triton", **kwargs):
-    """Decode attention over a paged cache by backend: "triton" (``gpu.triton.cache.PagedKVCache``) or
-    "cuda" (``gpu.cuda.fragment_cache.FragmentKVCache``, the fragment layout)."""
+    """Decode attention over a paged cache by backend: "triton" (``gpu.triton.cache.PagedKVCache``),
+    "cuda" (``gpu.cuda.fragment_cache.FragmentKVCache``, the fragment layout, its merge kernel a
+    programmatic dependent launch) or "cuda-plain" (the same kernels, the merge launched after the split
+    kernel completes: what the dependent launch saves)."""
     if backend == "triton":
         from gpu.triton.cache import paged_decode_attention as run
-    elif backend == "cuda":
+    elif backend in ("cuda", "cuda-plain"):
         from gpu.cuda.fragment_cache import fragment_decode_attention as run
+        kwargs["dependent_launch"] = backend == "cuda"
     else:
-        raise ValueError(f"backend must be 'triton' or 'cuda', got {backend!r}")
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     return run(q, cache, ktable, vtable, **kwargs)
 
 
@@ -87,7 +91,8 @@ def _parse(argv):
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--page-size", type=int, default=256)
     p.add_argument("--repeats", type=int, default=30)
-    p.add_argument("--backends", default=None, help="triton,cuda (default: cuda too when nvcc is found)")
+    p.add_argument("--backends", default=None,
+                   help="triton,cuda,cuda-plain (default: the CUDA ones too when nvcc is found)")
     p.add_argument("--quick", action="store_true", help="32K tokens, 2 and 4 bits, batch 1 (check_device.sh)")
     p.add_argument("--dry-run", action="store_true", help="CPU interpreter, tiny shapes (plumbing check)")
     return p.parse_args(argv)
@@ -190,8 +195,9 @@ def _checks(dev, d, g, bits_list):
     return checks
 
 
-def _checks_cuda(dev, d, g, bits_list):
-    """The CUDA fragment backend's correctness gate: append read back bit-exact, attention vs kvq_ref."""
+def _checks_cuda(dev, d, g, bits_list, backend="cuda"):
+    """A CUDA fragment backend's correctness gate ("cuda" or "cuda-plain", the merge's launch): append
+    read back bit-exact, attention vs kvq_ref."""
     import numpy as np
     import torch
 
@@ -211,13 +217,14 @@ def _checks_cuda(dev, d, g, bits_list):
         exact = bool(np.array_equal(rows[0], q.encode(K[1, :, 0]).arrays["codes"])
                      and np.array_equal(rows[2], q.encode(V[1, :, 0]).arrays["codes"]))
         qp = rng.standard_normal((2, 1, 1, g, d)).astype(np.float32)
-        out = fragment_decode_attention(torch.from_numpy(qp).to(dev), cache).float().cpu().numpy()
+        out = fragment_decode_attention(torch.from_numpy(qp).to(dev), cache,
+                                        dependent_launch=backend == "cuda").float().cpu().numpy()
         rel = 0.0
         for s in range(2):
             ref = attention_decode(qp[s, 0, 0].astype(np.float64),
                                    QuantizedKV.build(K[s, :, 0].astype(np.float64), V[s, :, 0].astype(np.float64), q, q))
             rel = max(rel, float(np.linalg.norm(out[s, 0, 0] - ref) / np.linalg.norm(ref)))
-        checks.append({"backend": "cuda", "bits": bits, "append_bit_exact": exact, "paged_attention_rel_err": rel,
+        checks.append({"backend": backend, "bits": bits, "append_bit_exact": exact, "paged_attention_rel_err": rel,
                        "ok": exact and rel < 2e-3})
     return checks
 
@@ -274,7 +281,7 @@ def _backends(args, cuda: bool) -> tuple:
         out = BACKENDS if find_nvcc() else ("triton",)
     else:
         out = BACKENDS if shutil.which("g++") else ("triton",)
-    if not cuda and "cuda" in out:
+    if not cuda and any(b.startswith("cuda") for b in out):
         os.environ[HOST_EMULATION_ENV] = "1"
     return out
 
@@ -351,8 +358,9 @@ def main(argv=None) -> dict:
     save()
     # 2. correctness
     result["checks"] = _checks(dev, d, g, bit_list)
-    if "cuda" in backends:
-        result["checks"] += _checks_cuda(dev, d, g, bit_list)
+    for kind in backends:
+        if kind.startswith("cuda"):
+            result["checks"] += _checks_cuda(dev, d, g, bit_list, backend=kind)
     if not all(c["ok"] for c in result["checks"]):
         print("kernels disagree with kvq_ref; not timing", file=sys.stderr)
         (args.out / "bench_failed_checks.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -376,14 +384,14 @@ def main(argv=None) -> dict:
             for bits in bit_list:
                 q, table = TurboQuantMSE(d, bits), load_device_table(d, bits, device=dev)
                 for kind in backends:
-                    if args.dry_run and kind == "cuda" and b > 1:
+                    if args.dry_run and kind.startswith("cuda") and b > 1:
                         continue  # the host emulation is slow: one batch is plumbing enough
-                    make = _random_fragment if kind == "cuda" else _random_paged
+                    make = _random_fragment if kind.startswith("cuda") else _random_paged
                     cache = make(q, b, hkv, n, args.page_size, dev)
                     t = timed(lambda: paged_decode_attention(qry, cache, table, table, backend=kind, max_seq_len=n))
                     # bytes the kernel reads per token and KV head: K and V codes (Triton: rows padded to
                     # 16 bytes; CUDA: the tile's share) and the two float16 norms
-                    if kind == "cuda":
+                    if kind.startswith("cuda"):
                         per = cache.kv.shape[3] / 16
                     else:
                         per = (cache.k_codes.shape[3] + cache.v_codes.shape[3] + cache.k_norms.element_size()

@@ -57,7 +57,7 @@ class _FragArgs(ctypes.Structure):
                 ("band_cap", _c_int), ("kpool", _u32 * 4), ("vpool", _u32 * 4), ("mul", _Mul), ("ksigma", ctypes.c_float), ("kperm", _c_ptr),
                 ("ksigns", _c_ptr), ("vinv_perm", _c_ptr), ("vsigns", _c_ptr), ("khblock", _c_int),
                 ("vhblock", _c_int), ("sm_scale", ctypes.c_float), ("splits", _c_int), ("chunk", _c_int),
-                ("ws", _c_ptr)]
+                ("ws", _c_ptr), ("dependent_launch", _c_int)]
 
 
 class _Quant(ctypes.Structure):
@@ -299,7 +299,7 @@ def append_fragment(cache: FragmentKVCache, k, v, ktable=None, vtable=None):
 
 
 def fragment_decode_attention(q, cache: FragmentKVCache, ktable=None, vtable=None, *, scale=None, max_seq_len=None,
-                              splits=None, workspace=None):
+                              splits=None, workspace=None, dependent_launch=True):
     """Attention of ``q (B, T, H, G, d)`` (T G <= 8; every query sees every cached token) over the cache.
 
     Parameters
@@ -313,6 +313,10 @@ def fragment_decode_attention(q, cache: FragmentKVCache, ktable=None, vtable=Non
         Force the split count (``gpu.schedule.plan_splits``).
     workspace : torch.Tensor, float32, optional
         ``B H (S + 1) 8 (d + 2)`` floats or more, kept across calls (CUDA graphs).
+    dependent_launch : bool, default True
+        Launch the merge kernel as a programmatic dependent of the split kernel (Hopper; elsewhere the
+        runtime launches it plainly), so that its launch overlaps the split kernel. The result is the
+        same either way; ``False`` is the plain stream-ordered launch, for comparison.
 
     Returns
     -------
@@ -339,6 +343,8 @@ def fragment_decode_attention(q, cache: FragmentKVCache, ktable=None, vtable=Non
     max_seq_len = cap if max_seq_len is None else int(max_seq_len)
     if not 0 <= max_seq_len <= cap:
         raise ValueError(f"max_seq_len must be in 0..{cap}, got {max_seq_len}")
+    if not isinstance(dependent_launch, bool):
+        raise TypeError(f"dependent_launch must be a bool, got {type(dependent_launch).__name__}")
     km, vm = cache.key_method, cache.value_method
     ktab, vtab = _tables(cache, ktable, vtable, q.device)
     backend = _backend(q.device)
@@ -357,7 +363,7 @@ def fragment_decode_attention(q, cache: FragmentKVCache, ktable=None, vtable=Non
                      cache.page_size.bit_length() - 5, cache.kv.shape[2] - 1, _ptr(cache.band_k), _ptr(cache.band_v), _ptr(cache.band_lens), _DT[str(cache.band_k.dtype)],
                      cache.band_k.shape[2], _pools(ktab, km.bits, "k"), _pools(vtab, vm.bits), _Mul(*MUL), _ksigma(ktab, km.bits),
                      _ptr(kr["perm"]), _ptr(kr["signs"]), _ptr(vr["inv_perm"]), _ptr(vr["signs"]), kr["block"],
-                     vr["block"], scale, plan.splits, plan.chunk, _ptr(workspace))
+                     vr["block"], scale, plan.splits, plan.chunk, _ptr(workspace), int(dependent_launch))
     _call(lib, backend, q.device, "kvq_frag_attention", ctypes.byref(args))
     return out
 

@@ -284,4 +284,13 @@ auto launcher(dim3 grid, dim3 block, Kernel kernel, void* /*stream: one launch a
 
 #define KVQ_LAUNCH(kernel, grid, block, stream) kvq_emu::launcher(dim3(grid), dim3(block), kernel, (stream))
 
+// kvq_common.cuh's programmatic dependent launch: launches run one after another here, so it is a plain
+// launch (and griddepcontrol, kvq_launch_dependents / kvq_wait_prerequisites, compiles to nothing).
+template <typename Kernel, typename... A>
+inline cudaError_t kvq_launch_dependent(Kernel kernel, unsigned grid, unsigned block, cudaStream_t stream,
+                                        bool /*programmatic*/, A... args) {
+  kvq_emu::launcher(dim3(grid), dim3(block), kernel, stream)(args...);
+  return cudaSuccess;
+}
+
 #endif  // KVQ_HOST_EMU_H

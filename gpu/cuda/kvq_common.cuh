@@ -16,7 +16,51 @@
 #include <stdint.h>
 // kernel<<<grid, block, 0, stream>>>(args...) spelled so that the host emulation can replace it.
 #define KVQ_LAUNCH(kernel, grid, block, stream) kernel<<<(grid), (block), 0, (stream)>>>
+
+// Launch `kernel` after the previous work of `stream`; with `programmatic`, as a programmatic dependent
+// launch (Hopper, CUDA >= 11.8): the runtime may start it once every CTA of the previous kernel has run
+// griddepcontrol.launch_dependents (kvq_launch_dependents) or exited, and the kernel must call
+// kvq_wait_prerequisites before it reads anything the previous kernel writes. Its launch then overlaps the
+// previous kernel's tail instead of following its completion. Where the attribute is refused (an older
+// driver or device), the plain launch is made instead: the result is the same, only later.
+template <typename... P, typename... A>
+inline cudaError_t kvq_launch_dependent(void (*kernel)(P...), unsigned grid, unsigned block, cudaStream_t stream,
+                                        bool programmatic, A... args) {
+  if (programmatic) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(grid);
+    cfg.blockDim = dim3(block);
+    cfg.dynamicSmemBytes = 0;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, args...);
+    if (e != cudaErrorNotSupported && e != cudaErrorInvalidValue) return e;
+    (void)cudaGetLastError();  // refused: clear it and launch plainly
+  }
+  kernel<<<grid, block, 0, stream>>>(args...);
+  return cudaGetLastError();
+}
 #endif
+
+// Programmatic dependent launch, device side (PTX griddepcontrol, sm_90; no-ops elsewhere and in the
+// host emulation, whose launches run one after another). kvq_launch_dependents: this CTA no longer
+// holds back the dependent kernel's launch (it may be issued by every thread; the CTA counts once).
+// kvq_wait_prerequisites: wait until the kernels this one depends on have completed and their memory
+// writes are visible; a no-op for a kernel launched without the attribute.
+__device__ __forceinline__ void kvq_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void kvq_wait_prerequisites() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
 
 // Largest vector dimension (head dimension) the kernels take: shared arrays are sized by it.
 #define KVQ_MAX_DIM 256

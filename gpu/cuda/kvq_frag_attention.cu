@@ -25,7 +25,9 @@
 //      The 4 warps' (m, l, O) merge in shared memory; the CTA writes its partial (log2 domain) to the
 //      workspace.
 //   2. kvq_frag_merge_kernel (kvq_frag_parts.cuh), grid B H R: log-sum-exp merge of the S partials,
-//      one inverse value rotation, the band partial, the division, the store in q's dtype.
+//      one inverse value rotation, the band partial, the division, the store in q's dtype. It is a
+//      programmatic dependent launch of the split kernel (FragArgs::dependent_launch; Hopper): the split
+//      CTAs release it as they start, so its launch overlaps the split kernel's run.
 // Empty splits and masked tokens leave m = -inf, l = 0; every exponent is taken against a finite
 // reference, so they merge as nothing; a row that sees no token gets 0.
 //
@@ -40,7 +42,10 @@
 
 // Per configuration: U tiles a warp takes per step (2 below 4 bits: one lazy-softmax check for two
 // tiles), and STAGES shared-memory slots per warp for cp.async (STAGES - 1 groups in flight); the
-// largest of (U, STAGES) = (2, 4), (2, 2), (1, 4), (1, 2) whose ring fits 44 KB of static shared memory.
+// largest of (U, STAGES) = (2, 4), (2, 2), (1, 4), (1, 2) whose ring fits 41 KB, so that the ring and
+// the kernel's other static shared memory (the band path's 6.1 KB, the softmax and pool scratch: 6.4 KB
+// at d = 256) stay under the 48 KB a CTA may hold statically (every configuration is compiled for sm_90a
+// in tests/gpu/test_cuda_static.py; at 44 KB, d = 256 with 2- and 3-bit sides took 50.4 KB).
 template <int D, int KB, int VB>
 struct FragCfg {
   static constexpr int KS = D / 16;                       // k-steps (K) = m-tiles (V)
@@ -48,7 +53,7 @@ struct FragCfg {
   static constexpr int NWK = KvqSide<D, KB>::kWords, NWV = KvqSide<D, VB>::kWords;
   static constexpr int CODES = 2 * D * (KB + VB);         // K and V bytes of a tile
   static constexpr int SLOT = CODES + 32 * 8;             // a tile in the ring: codes, then 32 lanes' norms
-  static constexpr int RING_MAX = 44 * 1024;
+  static constexpr int RING_MAX = 41 * 1024;
   static constexpr bool fits(int u, int st) { return KVQ_FRAG_WARPS * st * u * SLOT <= RING_MAX; }
   static constexpr int U = (KB < 4 && VB < 4 && (fits(2, 4) || fits(2, 2))) ? 2 : 1;
   static constexpr int STAGES = fits(U, 4) ? 4 : 2;
@@ -232,6 +237,7 @@ __global__ void __launch_bounds__(KVQ_FRAG_THREADS, KVQ_FRAG_MIN_BLOCKS(D, KB)) 
   __shared__ float s_m[KVQ_FRAG_WARPS][KVQ_FRAG_ROWS], s_l[KVQ_FRAG_WARPS][KVQ_FRAG_ROWS];
   __shared__ float s_qmax[KVQ_FRAG_WARPS];
 
+  kvq_launch_dependents();  // the merge kernel may be launched (it waits for this grid's writes)
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int S = a.splits;
   const int b = (int)(blockIdx.x / (unsigned)(a.H * (S + 1)));
@@ -497,6 +503,7 @@ extern "C" int kvq_frag_attention(const FragArgs* args, void* stream) {
       a.page_bytes != (unsigned)(a.H * (a.page_size / 16) * FragCfg<KVQ_FRAG_CFG>::TB) ||
       a.log_tpp != (unsigned)(a.log_page - 4) || a.tpp_mask != (unsigned)(a.page_size / 16 - 1) || a.splits < 1 || a.chunk < 16 || a.chunk % 16 || a.band_cap < 1 ||
       a.khblock < 1 || KVQ_FRAG_D % a.khblock || a.vhblock < 1 || KVQ_FRAG_D % a.vhblock || a.ws == nullptr ||
+      (a.dependent_launch != 0 && a.dependent_launch != 1) ||
       (long long)a.B * a.H * (a.splits + 1) > 0x7FFFFFFFLL)
     return KVQ_EINVAL;
   if (a.B == 0) return KVQ_OK;
@@ -505,8 +512,8 @@ extern "C" int kvq_frag_attention(const FragArgs* args, void* stream) {
   KVQ_LAUNCH(split, (unsigned)(a.B * a.H * (a.splits + 1)), KVQ_FRAG_THREADS, (cudaStream_t)stream)(a);
   int rc = (int)cudaGetLastError();
   if (rc) return rc;
-  KVQ_LAUNCH(merge, (unsigned)(a.B * a.H * a.R), KVQ_MERGE_THREADS, (cudaStream_t)stream)(a);
-  return (int)cudaGetLastError();
+  return (int)kvq_launch_dependent(merge, (unsigned)(a.B * a.H * a.R), KVQ_MERGE_THREADS, (cudaStream_t)stream,
+                                   a.dependent_launch != 0, a);
 }
 
 extern "C" int kvq_frag_decode_tiles(const uint8_t* tiles, int ntiles, const FragArgs* args, uint32_t* out_k,

@@ -49,6 +49,7 @@ struct FragArgs {
   float sm_scale;
   int splits, chunk;
   float* ws;             // (B, H, S + 1, 8, d + 2): m (log2 units), l, acc[d]
+  int dependent_launch;  // 1: the merge is a programmatic dependent launch of the split kernel
 };
 
 
@@ -170,10 +171,17 @@ __device__ void kvq_frag_band(const FragArgs& a, int b, int h, float* s_buf) {
 
 
 // Grid B H R, one CTA per query row: merge of the S partials, inverse value rotation, band partial,
-// division, store. The merge is on the critical path of a call (and the longest part of it at batch 1,
-// where S is 50), so it is spread wide: KVQ_MERGE_THREADS threads = SG groups of splits x D coordinates,
-// 8 splits' loads in flight per thread; the maxima are reduced first (all threads), the groups' sums in
-// shared memory after.
+// division, store. The merge is on the critical path of a call (at batch 1, where S is about 50, the
+// longest part of it after the split kernel), so it is short and wide:
+//   * it is launched as a programmatic dependent of the split kernel (kvq_launch_dependent; the split
+//     CTAs release it as they start), so its launch and its reads of the call's constants (the value
+//     rotation's signs and permutation) overlap the split kernel, and kvq_wait_prerequisites holds it
+//     until every partial is written;
+//   * one pass over the partials: KVQ_MERGE_THREADS threads = SG groups of splits x D coordinates, each
+//     thread with a running maximum and rescaled sums over its group's splits, taken in batches of 8
+//     whose 24 loads are all issued before the first is used: ceil(S / (8 SG)) dependent round trips,
+//     the band partial's loads in flight with the first batch; the SG groups' (m, l, acc) merge in
+//     shared memory.
 // (The host emulation runs 2 D threads, SG = 2: the same code, a quarter of the OS threads at d = 128.)
 #ifdef KVQ_HOST_EMULATION
 #define KVQ_MERGE_THREADS (2 * KVQ_FRAG_D)
@@ -184,44 +192,78 @@ template <int D>
 __global__ void __launch_bounds__(KVQ_MERGE_THREADS) kvq_frag_merge_kernel(FragArgs a) {
   constexpr int SG = KVQ_MERGE_THREADS / D;
   static_assert(SG >= 1 && KVQ_MERGE_THREADS % 32 == 0, "the merge needs a thread per coordinate");
-  __shared__ float s_red[KVQ_MERGE_THREADS / 32];
+  __shared__ float s_m[SG], s_l[SG];
   __shared__ float s_acc[SG][D];
-  __shared__ float s_l[SG];
   __shared__ float s_y[D];
   const int tid = threadIdx.x, sg = tid / D, j = tid % D;
   const size_t bh = blockIdx.x / (unsigned)a.R;
   const int r = (int)(blockIdx.x % (unsigned)a.R);
   const int b = (int)(bh / (unsigned)a.H), h = (int)(bh % (unsigned)a.H);
-  float m = -INFINITY;
-  for (int s = tid; s < a.splits; s += KVQ_MERGE_THREADS) m = fmaxf(m, kvq_frag_partial(a, bh, s, r, D)[0]);
+  // the call's inputs, which the split kernel does not write: read while it may still run
+  const float sign1 = a.vsigns[j], sign2 = a.vsigns[D + j];
+  const int src = a.vinv_perm[j];
+  kvq_wait_prerequisites();  // from here every partial is written and visible
+  float mb = -INFINITY, lb = 0.0f, ob = 0.0f;  // the band partial (group 0 only)
+  if (sg == 0) {
+    const float* pb = kvq_frag_partial(a, bh, a.splits, r, D);
+    mb = pb[0];
+    lb = pb[1];
+    ob = pb[2 + j];
+  }
+  // splits sg, sg + SG, ...: the running maximum m and the sums l, acc against max(m, 0 if m = -inf),
+  // in batches of 8 splits whose loads all go out before any is used (one round trip a batch)
+  constexpr int NB = 8;
+  float m = -INFINITY, acc = 0.0f, l = 0.0f;
+  for (int s0 = sg; s0 < a.splits; s0 += NB * SG) {
+    float ms[NB], ls[NB], os[NB];
 #pragma unroll
-  for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
-  if (tid % 32 == 0) s_red[tid / 32] = m;
-  __syncthreads();
-  m = s_red[0];
+    for (int u = 0; u < NB; ++u) {
+      const int s = s0 + u * SG;
+      ms[u] = -INFINITY;  // past the last split: weighs nothing
+      ls[u] = os[u] = 0.0f;
+      if (s < a.splits) {
+        const float* p = kvq_frag_partial(a, bh, s, r, D);
+        ms[u] = p[0];
+        ls[u] = p[1];
+        os[u] = p[2 + j];
+      }
+    }
+    float mn = m;
 #pragma unroll
-  for (int w = 1; w < KVQ_MERGE_THREADS / 32; ++w) m = fmaxf(m, s_red[w]);
-  const float ref = m == -INFINITY ? 0.0f : m;
-  float acc = 0.0f, l = 0.0f;
-#pragma unroll 8
-  for (int s = sg; s < a.splits; s += SG) {
-    const float* p = kvq_frag_partial(a, bh, s, r, D);
-    const float w = kvq_ex2(p[0] - ref);
-    acc += w * p[2 + j];
-    if (j == 0) l += w * p[1];
+    for (int u = 0; u < NB; ++u) mn = fmaxf(mn, ms[u]);
+    const float ref = mn == -INFINITY ? 0.0f : mn;  // empty splits (m = -inf, l = 0) weigh nothing
+    const float c_old = kvq_ex2(m - ref);
+    acc *= c_old;
+    l *= c_old;
+#pragma unroll
+    for (int u = 0; u < NB; ++u) {
+      const float c = kvq_ex2(ms[u] - ref);
+      acc += c * os[u];
+      l += c * ls[u];
+    }
+    m = mn;
+  }
+  if (j == 0) {
+    s_m[sg] = m;
+    s_l[sg] = l;
   }
   s_acc[sg][j] = acc;
-  if (j == 0) s_l[sg] = l;
   __syncthreads();
+  m = s_m[0];
+#pragma unroll
+  for (int g = 1; g < SG; ++g) m = fmaxf(m, s_m[g]);
+  const float ref = m == -INFINITY ? 0.0f : m;
   if (sg == 0) {  // R_V^T y = D1 P^T (H_b / sqrt(b)) D2 y
     float y = 0.0f;
+    l = 0.0f;
 #pragma unroll
-    for (int g = 0; g < SG; ++g) y += s_acc[g][j];
-    s_y[j] = y * a.vsigns[D + j];
+    for (int g = 0; g < SG; ++g) {
+      const float c = kvq_ex2(s_m[g] - ref);
+      y += c * s_acc[g][j];
+      l += c * s_l[g];
+    }
+    s_y[j] = y * sign2;
   }
-  l = 0.0f;
-#pragma unroll
-  for (int g = 0; g < SG; ++g) l += s_l[g];
   for (int hh = 1; hh < a.vhblock; hh <<= 1) {
     __syncthreads();
     for (int p = tid; p < D / 2; p += KVQ_MERGE_THREADS) {
@@ -233,16 +275,15 @@ __global__ void __launch_bounds__(KVQ_MERGE_THREADS) kvq_frag_merge_kernel(FragA
   }
   __syncthreads();
   if (sg != 0) return;
-  const float* pb = kvq_frag_partial(a, bh, a.splits, r, D);
-  const float mt = fmaxf(m, pb[0]);
+  const float mt = fmaxf(m, mb);
   const float rt = mt == -INFINITY ? 0.0f : mt;
-  const float ce = kvq_ex2(m - rt), cb = kvq_ex2(pb[0] - rt);
-  const float den = l * ce + pb[1] * cb;
+  const float ce = kvq_ex2(m - rt), cb = kvq_ex2(mb - rt);
+  const float den = l * ce + lb * cb;
   const float inv = den > 0.0f ? 1.0f / den : 0.0f;  // a row that sees no token gets 0
   const int t = r / a.G, g = r % a.G;
   const size_t orow = ((((size_t)b * a.T + t) * a.H + h) * a.G + g) * D;
-  const float x = s_y[a.vinv_perm[j]] * (1.0f / sqrtf((float)a.vhblock)) * a.vsigns[j];
-  const float o = (x * ce + pb[2 + j] * cb) * inv;
+  const float x = s_y[src] * (1.0f / sqrtf((float)a.vhblock)) * sign1;
+  const float o = (x * ce + ob * cb) * inv;
   if (a.out_dtype == KVQ_DT_F32) {
     ((float*)a.out)[orow + j] = o;
   } else if (a.out_dtype == KVQ_DT_F16) {

@@ -49,9 +49,11 @@ U_FRAG = 3 * 2.0**-11
 FRO_TOL = 6 * 2.0**-11
 
 
-def build(device, d, kb, vb, lengths, heads=2, sink=2, window=3, page_size=64, band_dtype=torch.float16, seed=0):
+def build(device, d, kb, vb, lengths, heads=2, sink=2, window=3, page_size=64, band_dtype=torch.float16, seed=0,
+          ramp=0.0):
     """A cache of len(lengths) sequences with `lengths[b]` encoded tokens (plus sink + window band tokens)
-    on shuffled pages; the kvq_ref caches, (batch, heads) of QuantizedKV."""
+    on shuffled pages; the kvq_ref caches, (batch, heads) of QuantizedKV. Keys are scaled by
+    e^(ramp t / total) at position t (ramp > 0: scores grow along the sequence)."""
     km, vm = TurboQuantMSE(d, kb, seed=seed + 1), TurboQuantMSE(d, vb, seed=seed + 2, norm_correction=True)
     B = len(lengths)
     per_seq = max(1, -(-max(lengths) // page_size))
@@ -67,6 +69,7 @@ def build(device, d, kb, vb, lengths, heads=2, sink=2, window=3, page_size=64, b
         for h in range(heads):
             total = n + sink + window
             K, V = rng.standard_normal((2, total, d)) * np.exp(rng.uniform(-1, 1, (2, total, 1)))
+            K = K * np.exp(ramp * np.arange(total) / total)[:, None]
             c = QuantizedKV.build(K, V, km, vm, sink, window)
             if c.keys is not None:
                 write_rows(cache, b, h, c.keys.arrays["codes"], c.keys.arrays["norms"], c.values.arrays["codes"],
@@ -120,7 +123,22 @@ def test_split_counts_and_varying_lengths(device, splits):
     the shorter sequence ends in a partial tile (masked tokens)."""
     cache, ref = build(device, 128, 2, 2, [300, 173])
     q = _q(2, 1, 2, 4, 128).to(device)
-    worst = check(cache, ref, q, fragment_decode_attention(q, cache, splits=splits))
+    out = fragment_decode_attention(q, cache, splits=splits)
+    worst = check(cache, ref, q, out)
+    assert worst < 0.2
+    # the merge launched plainly (not as a programmatic dependent of the split kernel): the same bytes
+    assert torch.equal(out, fragment_decode_attention(q, cache, splits=splits, dependent_launch=False))
+
+
+def test_many_splits_per_merge_thread(device):
+    """2,100 tokens in 40 splits of 64 (33 of them non-empty): on the host emulation (2 groups of splits
+    per merge CTA) a merge thread takes 17 partials in 3 batches of 8. Keys grow along the sequence
+    (ramp), so the running maximum rises from batch to batch and every rescale of the sums matters (the
+    merge without the rescale of its accumulator fails this test), and the shorter sequence leaves most
+    splits empty (m = -inf)."""
+    cache, ref = build(device, 64, 4, 4, [2100, 5], heads=1, page_size=32, seed=11, ramp=3.0)
+    q = _q(2, 1, 1, 4, 64, seed=12).to(device)
+    worst = check(cache, ref, q, fragment_decode_attention(q, cache, splits=40))
     assert worst < 0.2
 
 
@@ -208,6 +226,8 @@ def test_bad_arguments_are_refused(monkeypatch):
         fragment_decode_attention(torch.zeros(2, 1, 2, 4, 128), cache, max_seq_len=65)
     with pytest.raises(ValueError, match="finite"):
         fragment_decode_attention(torch.zeros(2, 1, 2, 4, 128), cache, scale=float("nan"))
+    with pytest.raises(TypeError, match="dependent_launch must be a bool"):
+        fragment_decode_attention(torch.zeros(2, 1, 2, 4, 128), cache, dependent_launch=1)
     with pytest.raises(TypeError, match="float16 or float32"):
         append_fragment(cache, torch.zeros(2, 1, 2, 128, dtype=torch.int32), torch.zeros(2, 1, 2, 128))
     with pytest.raises(ValueError, match="shape"):
