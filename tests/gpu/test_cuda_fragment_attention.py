@@ -19,25 +19,36 @@ cores' float32 accumulation (<= a few float32 ulps per add), MUFU.EX2 (2^-22) an
 merge and inverse rotation are far below u. Float16/bfloat16 outputs add half an output ulp.
 
 That bound is a guarantee but a loose one (it charges every product its worst case, times lambda
-sqrt(d + 4)), so each sequence's output is also held to a statistical tier: ``||out - ref|| <=
-FRO_TOL ||ref||`` with ``FRO_TOL = 6 * 2^-11``. Model: the roundings are independent and uniform, a
-float16 rounding has a relative standard deviation <= 2^-11 / sqrt(3), three of them per product <=
-2^-11; a weighted sum of such products, and the softmax weights moved by the scores' errors of the same
-size, keep the output's relative error at about that standard deviation (no cancellation: the outputs
-are averages of many values); lambda = 6 standard deviations. Measured: at most 1.0e-3 (1.9e-3 with
-bfloat16 outputs, whose half ulp is added). A wrong token
-(one value row's codes complemented, about 3 % of the output) breaks it
-(``test_a_wrong_token_breaks_the_tier``).
+sqrt(d + 4)), so each sequence's output is also held to a statistical tier,
+``||out - ref|| <= 6 sqrt(U_V^2 + R^2) ||ref||`` (Frobenius over the sequence's rows; ``fro_tier``).
+Model: the roundings are independent and uniform, a float16 rounding has a relative standard deviation
+<= 2^-11 / sqrt(3).
+* Values: three roundings per product, U_V = 2^-11 together; a weighted sum of such products keeps the
+  output's relative error at about that (no cancellation: the outputs are averages of values).
+* Scores: two roundings per product q_i k_i (rotated query, key level; the int8 levels' error is
+  smaller), so an encoded token's logit moves by sigma_t = scale 2^-11 sqrt(2/3) sqrt(sum_i (q_i k_i)^2)
+  nats, and the output by sum_t w_t delta_t (v_t - o) to first order: R = sqrt(sum_t w_t^2 sigma_t^2
+  ||v_t - o||^2) / ||o||. Where attention spreads over many tokens R is far below U_V; where a few
+  large logits take it (logits of tens of nats), R is the larger term: the weights themselves move by
+  sigma_t, which a tier of 6 * 2^-11 alone ignored (the property test found such cases: 4.2e-3 at
+  d = 256 with keys growing along the sequence).
+lambda = 6 standard deviations. Measured: at most 1.0e-3 on the fixed cases (1.9e-3 with bfloat16
+outputs, whose half ulp is added). A wrong token (one value row's codes complemented, about 3 % of the
+output) breaks it (``test_a_wrong_token_breaks_the_tier``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import shutil
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gpu.cuda.binding import HOST_EMULATION_ENV
 from gpu.cuda.fragment_cache import FragmentKVCache, append_fragment, fragment_decode_attention, write_rows
@@ -46,7 +57,26 @@ from kvq_ref.testing import mse_attention_tolerance
 from tests.gpu.test_cuda import device  # noqa: F401  (the host-emulation / GPU backends fixture)
 
 U_FRAG = 3 * 2.0**-11
-FRO_TOL = 6 * 2.0**-11
+U_V = 2.0**-11
+
+
+def fro_tier(qs, c, scale) -> float:
+    """The statistical tier of one sequence's rows ``qs (m, d)`` over ``c`` (module docstring):
+    6 sqrt(U_V^2 + R^2), relative to ||ref||."""
+    K, V = c.dequantized()
+    enc = np.zeros(K.shape[0], bool)
+    enc[c.middle] = True
+    z = scale * qs @ K.T
+    w = np.exp(z - z.max(axis=1, keepdims=True))
+    w /= w.sum(axis=1, keepdims=True)
+    o = w @ V
+    sigma = np.zeros_like(z)  # band tokens: float32 throughout
+    if enc.any():
+        qk = np.abs(c.key_method.rot.apply(qs))[:, None, :] * np.abs(c.key_method.rot.apply(K[enc]))[None]
+        sigma[:, enc] = scale * 2.0**-11 * math.sqrt(2 / 3) * np.sqrt((qk**2).sum(axis=2))
+    spread = np.linalg.norm(V[None] - o[:, None], axis=2)  # ||v_t - o_r||
+    r = math.sqrt(float(((w * sigma * spread) ** 2).sum())) / np.linalg.norm(o)
+    return 6 * math.sqrt(U_V**2 + r**2)
 
 
 def build(device, d, kb, vb, lengths, heads=2, sink=2, window=3, page_size=64, band_dtype=torch.float16, seed=0,
@@ -108,7 +138,7 @@ def check(cache, ref, q, out, scale=None, out_ulp=0.0):
             err = np.abs(diff).max(axis=1)
             assert (err <= tol).all(), (b, h, err, tol)
             fro = np.linalg.norm(diff) / np.linalg.norm(want)
-            assert fro <= FRO_TOL + out_ulp, (b, h, fro)
+            assert fro <= fro_tier(qs, c, scale) + out_ulp, (b, h, fro, fro_tier(qs, c, scale))
             worst = max(worst, float((err / tol).max()))
     return worst
 
@@ -140,6 +170,39 @@ def test_many_splits_per_merge_thread(device):
     q = _q(2, 1, 1, 4, 64, seed=12).to(device)
     worst = check(cache, ref, q, fragment_decode_attention(q, cache, splits=40))
     assert worst < 0.2
+
+
+# configurations other tests of this module build anyway (one g++ build each, cached)
+_BUILT = [(128, 2, 2), (128, 3, 3), (128, 4, 4), (64, 2, 4), (64, 4, 4), (256, 3, 2)]
+
+
+@settings(max_examples=12)
+@given(cfg=st.sampled_from(_BUILT), lengths=st.lists(st.integers(0, 1200), min_size=1, max_size=2),
+       rows=st.sampled_from([(1, 1), (1, 4), (1, 8), (2, 4), (4, 2)]), splits=st.one_of(st.none(), st.integers(1, 40)),
+       page=st.sampled_from([32, 64]), band=st.sampled_from([(0, 0), (1, 0), (2, 3)]), ramp=st.sampled_from([0.0, 3.0]),
+       seed=st.integers(0, 2**16))
+def test_any_shape_matches_kvq_ref(cfg, lengths, rows, splits, page, band, ramp, seed):
+    """The law kernel == reference over random shapes (host emulation): 1-2 sequences of 0-1200 encoded
+    tokens, T G = 1..8 query rows, forced (1-40) or planned split counts (empty splits included; up to
+    19 non-empty splits of 64 tokens, so a merge thread may pass over more than one batch of 8), pages
+    of 32 or 64 tokens, no band, a sink, or a sink and a window, scores flat or growing along the
+    sequence. Every row within the module's tier; a sequence that sees no token gets exactly 0."""
+    if not (os.environ.get("CXX") or shutil.which("g++")):
+        pytest.skip("the host emulation needs g++ (>= 12)")
+    d, kb, vb = cfg
+    T, G = rows
+    old = os.environ.get(HOST_EMULATION_ENV)
+    os.environ[HOST_EMULATION_ENV] = "1"  # hypothesis forbids function-scoped fixtures (monkeypatch)
+    try:
+        cache, ref = build(torch.device("cpu"), d, kb, vb, lengths, heads=2, sink=band[0], window=band[1],
+                           page_size=page, seed=seed, ramp=ramp)
+        q = _q(len(lengths), T, 2, G, d, seed=seed + 1)
+        check(cache, ref, q, fragment_decode_attention(q, cache, splits=splits))
+    finally:
+        if old is None:
+            del os.environ[HOST_EMULATION_ENV]
+        else:
+            os.environ[HOST_EMULATION_ENV] = old
 
 
 @pytest.mark.parametrize("d,kb,vb,G,T", [(128, 3, 3, 8, 1), (128, 4, 4, 2, 3), (64, 2, 4, 1, 1), (256, 3, 2, 8, 1)])
