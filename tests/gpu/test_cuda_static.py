@@ -68,6 +68,12 @@ def test_committed_report_is_this_source(rows):
     for bits, r in rows.items():
         for key in ("warp_instr_per_token_head", "alu_per_token_head", "registers", "loop_path_sass"):
             assert committed[bits][key] == r[key], (bits, key)
+        # and its predictions are the current model's (a changed model means a regenerated report)
+        for old, new in zip(committed[bits]["roofline"], roofline.prediction_table([r]), strict=True):
+            assert (old["batch"], old["tokens"], old["splits"]) == (new["batch"], new["tokens"], new["splits"])
+            for key in ("seconds", "fixed_s", "fraction_of_spec", "ceiling_fraction_of_spec"):
+                assert math.isclose(old[key], new[key], rel_tol=1e-12), (bits, key)
+    assert report["meta"]["cuda_roofline_model"] == roofline.device_meta()
 
 
 @needs_tools
