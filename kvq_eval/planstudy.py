@@ -11,7 +11,9 @@
    baseline is run on the same samples;
 3. finds the cheapest uniform setting meeting the same target among the baseline folder's
    perplexity cells of ``context`` tokens (``kvq-eval`` results: the upper end of the window t
-   interval at most the target), and compares: a paired test over the windows both hold (same
+   interval at most the target), read after the searches, and records the baseline's entries that
+   have no such cell yet (``baseline_missing``: a comparison against an incomplete grid says so); it
+   compares: a paired test over the windows both hold (same
    text, same token ids where recorded; ``plot.paired_ppl``), McNemar's test and the paired
    log-probability test on the needle samples (``plot.paired_comparison``);
 4. records where the bits went (keys and values per layer).
@@ -28,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["run_study", "uniform_settings", "plot_study", "NEEDLE_DEPTHS"]
+__all__ = ["run_study", "uniform_settings", "baseline_gaps", "plot_study", "NEEDLE_DEPTHS"]
 
 NEEDLE_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 
@@ -47,6 +49,17 @@ def uniform_settings(baseline, model: str, tokens: int) -> list[dict]:
         out.append({"entry": entry, "bits": row["bits"], "dppl": row["dppl"], "ci": list(row["ci"]),
                     "windows": row["windows"]})
     return sorted(out, key=lambda r: (r["bits"], r["entry"]))
+
+
+def baseline_gaps(baseline, model: str, tokens: int) -> list[str]:
+    """Entries of a ``kvq-eval`` results folder with a perplexity cell at some context but none (with an
+    interval) at ``tokens``: the uniform settings the comparison cannot see yet, by name (plans
+    excluded). Empty when the baseline's grid is complete at ``tokens``."""
+    from .plot import load_results, ppl_summary
+
+    summ = ppl_summary(load_results(baseline, model))
+    return sorted(e for e, by_t in summ.items()
+                  if not e.startswith("plan:") and (by_t.get(tokens) is None or by_t[tokens]["ci"] is None))
 
 
 def _cheapest(uniform: list[dict], target_pct: float) -> dict | None:
@@ -111,7 +124,6 @@ def run_study(configs, out, baseline, ray: str | None = None, needles: int = 30,
         raise ValueError(f"needles must be a non-negative multiple of {len(NEEDLE_DEPTHS)}, got {needles!r}")
     model, tokens = configs[0].model, configs[0].context
     out, root = Path(out), Path(out) / configs[0].model
-    uniform = uniform_settings(baseline, model, tokens)
     plans = []
     for cfg in configs:
         plan, path = _plan(cfg, out, ray, progress, log)
@@ -120,6 +132,13 @@ def run_study(configs, out, baseline, ray: str | None = None, needles: int = 30,
     eval_dir = root.parent / "eval"
     run_grid(model, [p.method for _, p, _ in plans], eval_dir, tasks=("ppl",), ppl_windows=((tokens, eval_windows),),
              ray=ray, progress=progress)
+    # the baseline as it is now, after the searches (hours, while its grid may still be filling)
+    uniform = uniform_settings(baseline, model, tokens)
+    gaps = baseline_gaps(baseline, model, tokens)
+    if gaps:
+        log(f"{model}: {len(gaps)} entries of {baseline} have no {tokens}-token perplexity cell yet "
+            f"({', '.join(gaps[:6])}{', ...' if len(gaps) > 6 else ''}); the cheapest uniform setting is the "
+            f"cheapest among the {len(uniform)} that have one (study.json: baseline_missing)")
     base_of = {cfg.target: _cheapest(uniform, 100 * cfg.target) for cfg in configs}
     if needles:
         groups: dict = {}
@@ -163,7 +182,7 @@ def run_study(configs, out, baseline, ray: str | None = None, needles: int = 30,
         rows.append(row)
     study = {"model": model, "context": tokens, "baseline": str(baseline), "eval": str(eval_dir),
              "eval_windows": eval_windows, "needles": needles, "needle_contexts": list(needle_contexts),
-             "uniform": uniform, "targets": rows}
+             "uniform": uniform, "baseline_missing": gaps, "targets": rows}
     path = root / "study.json"
     _write(path, json.loads(json.dumps(study, default=_jsonable)))
     return path

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from kvq_eval.planstudy import _cheapest, _paired, plot_study, uniform_settings
+from kvq_eval.planstudy import _cheapest, _paired, baseline_gaps, plot_study, uniform_settings
 
 
 def _window(dnll, n=100, ids=None):
@@ -38,6 +38,9 @@ def test_cheapest_uniform_setting_meets_the_target_at_the_upper_bound(tmp_path):
     assert _cheapest(uni, 1.0)["entry"] == "c@0,64"
     assert _cheapest(uni, 0.8)["entry"] == "a@none"
     assert _cheapest(uni, 0.1) is None
+    # d@none has a 1K cell but no 8K one: the comparison cannot see it yet, and says so
+    assert baseline_gaps(tmp_path, "smollm2", 8192) == ["d@none"]
+    assert baseline_gaps(tmp_path, "smollm2", 1024) == ["a@none", "b@none", "c@0,64"]
     c = next(u for u in uni if u["entry"] == "c@0,64")
     assert c["ci"][1] == pytest.approx(100 * math.expm1(0.0085 + 4.302652729911275 * 0.0005 / math.sqrt(3)), rel=1e-9)
 
