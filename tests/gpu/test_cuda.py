@@ -134,7 +134,7 @@ def test_quantize_mse_bit_exact(device, d, bits):
 @settings(max_examples=8)
 @given(d=st.sampled_from([16, 32, 80, 96, 192]), bits=st.integers(1, 4), seed=st.integers(0, 2**16),
        half=st.booleans(), corrected=st.booleans(), n=st.integers(3, 12))
-def test_quantize_mse_bit_exact_any_config(d, bits, seed, half, corrected, n):
+def test_host_quantize_mse_bit_exact_any_config(d, bits, seed, half, corrected, n):
     if not (os.environ.get("CXX") or shutil.which("g++")):
         pytest.skip("the host emulation needs g++ (>= 12)")
     x = _rows(n, d, seed, torch.float16 if half else torch.float32)

@@ -181,7 +181,7 @@ _BUILT = [(128, 2, 2), (128, 3, 3), (128, 4, 4), (64, 2, 4), (64, 4, 4), (256, 3
        rows=st.sampled_from([(1, 1), (1, 4), (1, 8), (2, 4), (4, 2)]), splits=st.one_of(st.none(), st.integers(1, 40)),
        page=st.sampled_from([32, 64]), band=st.sampled_from([(0, 0), (1, 0), (2, 3)]), ramp=st.sampled_from([0.0, 3.0]),
        seed=st.integers(0, 2**16))
-def test_any_shape_matches_kvq_ref(cfg, lengths, rows, splits, page, band, ramp, seed):
+def test_host_any_shape_matches_kvq_ref(cfg, lengths, rows, splits, page, band, ramp, seed):
     """The law kernel == reference over random shapes (host emulation): 1-2 sequences of 0-1200 encoded
     tokens, T G = 1..8 query rows, forced (1-40) or planned split counts (empty splits included; up to
     19 non-empty splits of 64 tokens, so a merge thread may pass over more than one batch of 8), pages
