@@ -42,6 +42,12 @@ __all__ = ["Session", "session", "register", "QuantizedCache", "ATTN_IMPLEMENTAT
 ATTN_IMPLEMENTATION = "kvq"
 _ACTIVE: list["Session"] = []
 QUERY_BLOCK = 1024  # query positions per block in simulate mode (bounds memory at long contexts)
+#: Keys per block of torch's CPU flash-attention kernel (all of them when fewer). A sliding-window
+#: layer's query block reads its keys from the block boundary at or before the first one it can see:
+#: the skipped blocks are fully masked for every one of its rows, so they added exactly nothing, and
+#: the blocks it reads are the same blocks, summed in the same order (the results are bit-identical,
+#: ``tests/kvq_eval/test_simulate.py``); it saves most of the work of a long window's local layers.
+FLASH_KV_BLOCK = 512
 #: Version of the simulate-mode arithmetic, recorded in every cell that used it. 1 (cells without
 #: the field): dense float64 ``scores``/``accumulate`` per query block. 2: middle and band merged by
 #: log-sum-exp, values read through their float32 reconstruction (7-14x per 8K layer). The
@@ -158,6 +164,14 @@ def _merge(parts):
     return sum(wi[..., None] * o for wi, (o, _) in zip(w, parts)) / sum(w)[..., None]
 
 
+def _first_key_block(lo: int, sliding: int | None) -> int:
+    """The first key a query block starting at ``lo`` reads (``FLASH_KV_BLOCK``): 0 without a sliding
+    window, else the block boundary at or before ``lo - sliding + 1``, its first query's first key."""
+    if sliding is None:
+        return 0
+    return max(0, lo - sliding + 1) // FLASH_KV_BLOCK * FLASH_KV_BLOCK
+
+
 def _simulate(module, query, key, value, scaling, spec: MethodSpec):
     """Streaming-quantized attention for a full sequence (batch 1, no cache).
 
@@ -200,8 +214,9 @@ def _simulate(module, query, key, value, scaling, spec: MethodSpec):
             allowed = _allowed(qp, pos[:hi], sliding)
             band = band_mask(qp, pos[:hi], sink, window, group) & allowed
             if not (group == 1 and sliding is None):
-                mid = torch.from_numpy(allowed & ~band)
-                parts = [_partial_attention(qb, keys[:hi], vals[:hi], scaling, mask=mid)]
+                k0 = _first_key_block(lo, sliding)
+                mid = torch.from_numpy(allowed[:, k0:] & ~band[:, k0:])
+                parts = [_partial_attention(qb, keys[k0:hi], vals[k0:hi], scaling, mask=mid)]
             elif first < t:
                 parts = [(o_mid[:, lo:hi], l_mid[:, lo:hi])]
             else:

@@ -92,6 +92,33 @@ def test_fast_simulation_equals_the_dense_definition(small_tables, monkeypatch, 
     assert np.abs((fast - ref).numpy()).max() <= 1e-6 * np.abs(ref.numpy()).max()
 
 
+@pytest.mark.parametrize("kv_block", [512, 16])
+@pytest.mark.parametrize("name,band", [("tq_mse3", Band(0, 0)), ("kivi2", Band(2, 40)), ("tq_mse4", Band(4, 16))])
+def test_sliding_layers_read_only_the_key_blocks_they_can_see(small_tables, monkeypatch, name, band, kv_block):
+    """A sliding-window layer's query block reads keys from the block boundary before its first visible
+    key (hooks.FLASH_KV_BLOCK; 16 here as well, to skip blocks at a small size): the result is the
+    same bytes as reading every key from 0 (the skipped keys are masked for every row of the block),
+    and no key it can see is skipped. 1,300 tokens, window 300, query blocks of 256, GQA 2:1."""
+    if hooks._FLASH is None:
+        pytest.skip("this torch build has no CPU flash-attention kernel")
+    monkeypatch.setattr(hooks, "QUERY_BLOCK", 256)
+    monkeypatch.setattr(hooks, "FLASH_KV_BLOCK", kv_block)
+    spec = _spec(name, small_tables, band)
+    rng = np.random.default_rng(6)
+    t, d = 1300, 32
+    query = torch.from_numpy(rng.standard_normal((1, 2, t, d))).float()
+    key = torch.from_numpy(rng.standard_normal((1, 1, t, d)) * 2).float()
+    value = torch.from_numpy(rng.standard_normal((1, 1, t, d))).float()
+    module = SimpleNamespace(layer_idx=0, sliding_window=300)
+    starts = [hooks._first_key_block(lo, 300) for lo in range(0, t, 256)]
+    assert starts[0] == 0 and starts[-1] > 0 and all(s <= max(0, lo - 299) for s, lo in zip(starts, range(0, t, 256)))
+    assert all(s % kv_block == 0 for s in starts) and hooks._first_key_block(700, None) == 0
+    fast, _ = hooks._simulate(module, query, key, value, 0.2, spec)
+    monkeypatch.setattr(hooks, "_first_key_block", lambda lo, sliding: 0)
+    every, _ = hooks._simulate(module, query, key, value, 0.2, spec)
+    assert torch.equal(fast, every)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_partial_attention_kernels_agree_and_empty_rows_are_neutral(causal):
     """The flash kernel and the fallback give the same output and log-sum-exp (float64: 1e-12),
