@@ -3,7 +3,7 @@
 Run on a machine with a CUDA GPU, from the repository root (under 5 minutes on an H200)::
 
     python gpu/bench.py [--out results/gpu] [--contexts 4096,32768,131072] [--bits 2,3,4] [--batches 1,16]
-    python gpu/bench.py --quick      (check_device.sh: 32K tokens, 2 and 4 bits, batch 1)
+    python gpu/bench.py --quick      (check_device.sh: 32K tokens, 2 and 4 bits, batch 1, bands 0 and 64)
     python gpu/bench.py --dry-run    (CI: the whole plan on the CPU interpreter, tiny shapes)
 
 What it does, in order:
@@ -23,7 +23,9 @@ What it does, in order:
    kernels, or the CUDA fragment kernel of gpu.cuda.fragment_cache with its merge kernel launched as a
    programmatic dependent of the split kernel, or plainly after it), and fp16 SDPA pinned to the FlashAttention backend on
    the same shapes (the group folded into the query length, so the fp16 K/V is read once per KV head)
-   with its own GB/s. Each row reports its fraction of the read probe and of the spec, and its
+   with its own GB/s. ``--bands`` adds a float16 band of that many tokens per sequence beside the encoded
+   ones (the recent window a deployed setting keeps, read by the kernels' band path; its bytes are
+   counted), a row per band. Each row reports its fraction of the read probe and of the spec, and its
    speedup against FlashAttention and against the ideal fp16 read (fp16 K/V bytes at the spec).
 4. Append throughput: ``append_encoded`` of 16 x 8 heads x 2048 new tokens (fp16 in, codes + norms
    out), GB/s of bytes read + written, against the copy bandwidth.
@@ -93,7 +95,10 @@ def _parse(argv):
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--backends", default=None,
                    help="triton,cuda,cuda-plain (default: the CUDA ones too when nvcc is found)")
-    p.add_argument("--quick", action="store_true", help="32K tokens, 2 and 4 bits, batch 1 (check_device.sh)")
+    p.add_argument("--bands", default=None,
+                   help="16-bit band tokens per sequence beside the encoded ones (comma list; default 0, --quick 0,64)")
+    p.add_argument("--quick", action="store_true", help="32K tokens, 2 and 4 bits, batch 1, bands 0 and 64 "
+                   "(check_device.sh)")
     p.add_argument("--dry-run", action="store_true", help="CPU interpreter, tiny shapes (plumbing check)")
     return p.parse_args(argv)
 
@@ -229,8 +234,19 @@ def _checks_cuda(dev, d, g, bits_list, backend="cuda"):
     return checks
 
 
-def _random_fragment(q, batch, heads, n, page, dev):
-    """A fragment-layout cache of ``n`` tokens per sequence, random bytes (codes and norms), shuffled pages."""
+def _random_band(c, band):
+    """``band`` random float16 band tokens per sequence and KV head (the recent window of a cache)."""
+    import torch
+
+    if band:
+        c.band_k[:, :, :band].copy_(torch.randn(c.band_k[:, :, :band].shape, device=c.band_k.device))
+        c.band_v[:, :, :band].copy_(torch.randn(c.band_v[:, :, :band].shape, device=c.band_v.device))
+    c.band_lens.fill_(band)
+
+
+def _random_fragment(q, batch, heads, n, page, dev, band=0):
+    """A fragment-layout cache of ``n`` tokens per sequence, random bytes (codes and norms), shuffled pages,
+    and ``band`` float16 band tokens."""
     import torch
 
     from gpu.cuda.fragment_cache import FragmentKVCache
@@ -238,30 +254,33 @@ def _random_fragment(q, batch, heads, n, page, dev):
     page = max(32, page)
     per_seq = -(-n // page)
     c = FragmentKVCache.allocate(q, q, batch, heads, num_pages=batch * per_seq, page_size=page,
-                                 pages_per_seq=per_seq, device=dev)
+                                 pages_per_seq=per_seq, band_capacity=max(band, 1), device=dev)
     c.block_table.copy_(torch.randperm(batch * per_seq, device=dev).to(torch.int32).reshape(batch, per_seq))
     c.kv.copy_(torch.randint(0, 256, c.kv.shape, dtype=torch.uint8, device=dev))
     # norms: float16 in [0.5, 1.5) (random bytes could be inf or NaN), at the tile's last 64 bytes
     norms = c.kv[..., -64:].view(torch.float16)
     norms.copy_((torch.rand(norms.shape, device=dev) + 0.5).to(torch.float16))
     c.seq_lens.fill_(n)
+    _random_band(c, band)
     return c
 
 
-def _random_paged(q, batch, heads, n, page, dev):
-    """A paged cache of ``n`` encoded tokens per sequence with random codes/norms and shuffled pages."""
+def _random_paged(q, batch, heads, n, page, dev, band=0):
+    """A paged cache of ``n`` encoded tokens per sequence with random codes/norms and shuffled pages, and
+    ``band`` float16 band tokens."""
     import torch
 
     from gpu.triton.cache import PagedKVCache
 
     per_seq = -(-n // page)
     c = PagedKVCache.allocate(q, q, batch, heads, num_pages=batch * per_seq, page_size=page, pages_per_seq=per_seq,
-                              device=dev)
+                              band_capacity=band, device=dev)
     c.block_table.copy_(torch.randperm(batch * per_seq, device=dev).to(torch.int32).reshape(batch, per_seq))
     for codes, norms in ((c.k_codes, c.k_norms), (c.v_codes, c.v_norms)):
         codes.copy_(torch.randint(0, 256, codes.shape, dtype=torch.uint8, device=dev))
         norms.copy_((torch.rand(norms.shape, device=dev) + 0.5).to(norms.dtype))
     c.seq_lens.fill_(n)
+    _random_band(c, band)
     return c
 
 
@@ -322,13 +341,16 @@ def main(argv=None) -> dict:
     contexts = [int(c) for c in args.contexts.split(",")]
     bit_list = [int(b) for b in args.bits.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
+    bands = [int(w) for w in (args.bands or ("0,64" if args.quick else "0")).split(",")]
+    if any(w < 0 for w in bands):
+        raise SystemExit(f"--bands must be non-negative, got {args.bands}")
     timed = Timer(cuda, args.repeats)
     backends = _backends(args, cuda)
     result = {"benchmark": "paged TurboQuantMSE decode attention vs fp16 FlashAttention SDPA", "dry_run": args.dry_run,
               "command": shlex.join(["python", "gpu/bench.py", *(sys.argv[1:] if argv is None else argv)]),
               "device": torch.cuda.get_device_name() if cuda else f"cpu-interpreter ({platform.machine()})",
               "torch": torch.__version__, "triton": __import__("triton").__version__, "d": d, "group": g,
-              "kv_heads": hkv, "page_size": args.page_size, "repeats": args.repeats,
+              "kv_heads": hkv, "page_size": args.page_size, "repeats": args.repeats, "bands": bands,
               "timing": "CUDA graph replay, L2 flushed (256 MiB read) before each, CUDA events, median",
               "targets": TARGETS, "backends": list(backends)}
     # 1. copy bandwidth
@@ -383,11 +405,11 @@ def main(argv=None) -> dict:
                 del kk, vv
             for bits in bit_list:
                 q, table = TurboQuantMSE(d, bits), load_device_table(d, bits, device=dev)
-                for kind in backends:
+                for kind, band in ((k, w) for w in bands for k in backends):
                     if args.dry_run and kind.startswith("cuda") and b > 1:
                         continue  # the host emulation is slow: one batch is plumbing enough
                     make = _random_fragment if kind.startswith("cuda") else _random_paged
-                    cache = make(q, b, hkv, n, args.page_size, dev)
+                    cache = make(q, b, hkv, n, args.page_size, dev, band)
                     t = timed(lambda: paged_decode_attention(qry, cache, table, table, backend=kind, max_seq_len=n))
                     # bytes the kernel reads per token and KV head: K and V codes (Triton: rows padded to
                     # 16 bytes; CUDA: the tile's share) and the two float16 norms
@@ -396,10 +418,11 @@ def main(argv=None) -> dict:
                     else:
                         per = (cache.k_codes.shape[3] + cache.v_codes.shape[3] + cache.k_norms.element_size()
                                + cache.v_norms.element_size())
-                    moved = int(b * hkv * n * per)
+                    moved = int(b * hkv * n * per) + b * hkv * band * 2 * d * 2  # + the float16 band's K and V
                     bw = moved / t / 1e9
                     result["decode"].append({
-                        "backend": kind, "batch": b, "context": n, "bits": bits, "seconds": t, "bytes": moved,
+                        "backend": kind, "batch": b, "context": n, "bits": bits, "band": band, "seconds": t,
+                        "bytes": moved,
                         "bandwidth_gbs": bw, "fraction_of_copy_bandwidth": bw / result["copy_bandwidth_gbs"],
                         "fraction_of_read_probe": bw / result["read_probe_gbs"],
                         "fraction_of_spec": bw * 1e9 / spec if spec else None,
@@ -431,7 +454,7 @@ def main(argv=None) -> dict:
     if cuda:
         result["met"] = {}
         for kind in backends:
-            long = [r for r in result["decode"] if r["context"] >= 32768 and r["backend"] == kind]
+            long = [r for r in result["decode"] if r["context"] >= 32768 and r["backend"] == kind and r["band"] == 0]
             result["met"][kind] = {
                 "bandwidth": all(r["fraction_of_reference_bandwidth"] >= 0.7 for r in long),
                 "speedup_4bit": all(r["speedup_vs_sdpa"] >= 3.0 for r in long if r["bits"] == 4),
@@ -443,7 +466,7 @@ def main(argv=None) -> dict:
           f"passed; wrote {path}")
     for r in result["decode"]:
         spec = f", {r['fraction_of_spec'] * 100:5.1f} % of spec" if r["fraction_of_spec"] else ""
-        print(f"  {r['backend']:>6} batch {r['batch']:>2} ctx {r['context']:>6} {r['bits']} bits: "
+        print(f"  {r['backend']:>10} batch {r['batch']:>2} ctx {r['context']:>6} band {r['band']:>3} {r['bits']} bits: "
               f"{r['seconds'] * 1e6:9.1f} us, {r['fraction_of_read_probe'] * 100:5.1f} % of read probe{spec}, "
               f"x{r['speedup_vs_sdpa']:.2f} vs fp16 FA ({r['sdpa_bandwidth_gbs']:.0f} GB/s)")
     for r in result["append"]:

@@ -4,7 +4,7 @@
 #  2. the CUDA kernels' tests on the GPU: quantize and row-layout attention (tests/gpu/test_cuda.py) and
 #     the fragment kernel (tests/gpu/test_cuda_fragment_attention.py, its GPU cases), with xdist when
 #     installed (each configuration is one nvcc build);
-#  3. the quick bench (gpu/bench.py --quick: 32K tokens, 2 and 4 bits, batch 1, the Triton and CUDA
+#  3. the quick bench (gpu/bench.py --quick: 32K tokens, 2 and 4 bits, batch 1, bands 0 and 64, the Triton and CUDA
 #     backends (CUDA with the merge as a dependent launch, and plainly: cuda-plain), fp16 FlashAttention,
 #     the read probe), results/gpu/bench_<device>_quick.json;
 #  4. ncu on the fragment kernel at 2, 3 and 4 bits (batch 16, 8 heads, 32K tokens, d = 128, G = 4):

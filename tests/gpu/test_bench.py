@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_bench_dry_run_writes_complete_json(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "gpu/bench.py", "--dry-run", "--bits", "2,4", "--out", str(tmp_path)],
+    proc = subprocess.run([sys.executable, "gpu/bench.py", "--dry-run", "--bits", "2,4", "--bands", "0,8",
+                           "--out", str(tmp_path)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "bench_dryrun.json").read_text())
@@ -32,14 +33,16 @@ def test_bench_dry_run_writes_complete_json(tmp_path):
         assert c["append_bit_exact"] and c["ok"] and c["paged_attention_rel_err"] < 2e-3
         if not c.get("backend", "").startswith("cuda"):
             assert c["codes_bit_exact"] and c["attention_rel_err"] < 2e-3
-    assert {(r["backend"], r["batch"], r["context"], r["bits"]) for r in result["decode"]} == {
-        (k, b, n, bits) for k in backends for b in (1, 2) for n in (64, 97) for bits in (2, 4)
+    rows = [(r["backend"], r["batch"], r["context"], r["bits"], r["band"]) for r in result["decode"]]
+    assert len(rows) == len(set(rows)) and set(rows) == {
+        (k, b, n, bits, w) for k in backends for b in (1, 2) for n in (64, 97) for bits in (2, 4) for w in (0, 8)
         if k == "triton" or b == 1}  # the dry run times the emulated CUDA kernels at batch 1 only
     assert result["read_probe_gbs"] > 0 and result["spec_gbs"] is None  # no spec for a CPU
     for r in result["decode"]:
         # bytes read = K and V rows (d=128: 32 or 64 bytes, no padding) + two float16 norms,
-        # batch x 2 KV heads x context; the fp16 baseline reads K and V at 2 bytes a value
-        assert r["bytes"] == r["batch"] * 2 * r["context"] * (2 * 128 * r["bits"] // 8 + 4)
+        # batch x 2 KV heads x context, + the float16 band's K and V; the fp16 baseline reads K and V
+        # at 2 bytes a value
+        assert r["bytes"] == r["batch"] * 2 * (r["context"] * (2 * 128 * r["bits"] // 8 + 4) + r["band"] * 2 * 128 * 2)
         assert r["sdpa_bytes"] == r["batch"] * 2 * r["context"] * 2 * 128 * 2
         for key in ("seconds", "fraction_of_copy_bandwidth", "speedup_vs_sdpa", "sdpa_bandwidth_gbs"):
             assert key in r
