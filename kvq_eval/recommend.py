@@ -1,7 +1,8 @@
 """Which setting to deploy: the cheapest stored-bits entry within a perplexity target (``kvq-eval recommend``).
 
 For each target (a perplexity increase over fp32 in %, at one window length, 8K by default) and
-each band class (no 16-bit band; any band), the entry with the fewest stored bits whose
+each band class (``"none"``: settings without a 16-bit band; ``"any"``: every setting, a band allowed,
+so that a band-free setting that is cheaper wins there too), the entry with the fewest stored bits whose
 perplexity change is within the target *at the upper end of its 95 % t interval over windows*
 (``kvq_eval.stats``): a setting that only meets the target on average is not recommended. With it,
 its needle recall (exact match of the single needle, Wilson interval) and the answer's
@@ -16,13 +17,16 @@ from .plot import _ctx, niah_summary, ppl_summary
 __all__ = ["recommend", "recommend_table", "TARGETS", "BAND_CLASSES"]
 
 TARGETS = (0.5, 1.0, 3.0)
-BAND_CLASSES = ("none", "band")
+BAND_CLASSES = ("none", "any")
 MIN_WINDOWS = 4  # fewer windows give no usable upper bound (t_{n-1} grows fast below 4)
 
 
-def _band_class(entry: str) -> str:
+def _in_class(entry: str, cls: str) -> bool:
+    """Whether ``entry`` belongs to band class ``cls``: "none" holds the entries without a band, "any" all."""
+    if cls == "any":
+        return True
     band = parse_entry(entry)[1]
-    return "none" if band is not None and band.label == "none" else "band"
+    return band is not None and band.label == "none"
 
 
 def recommend(res: dict, targets=TARGETS, tokens: int = 8192, contexts=(4096, 8192)) -> list[dict]:
@@ -42,7 +46,7 @@ def recommend(res: dict, targets=TARGETS, tokens: int = 8192, contexts=(4096, 81
     Returns
     -------
     list of dict
-        ``target``, ``band`` (``"none"``/``"band"``), ``entry``, ``bits``, ``dppl``, ``ci``,
+        ``target``, ``band`` (``"none"``/``"any"``), ``entry``, ``bits``, ``dppl``, ``ci``,
         ``windows`` and ``needles`` (``{context: niah_summary row}``); ``candidates``: how many
         entries of the band class have a cell of at least ``MIN_WINDOWS`` windows (0: none yet).
     """
@@ -56,8 +60,8 @@ def recommend(res: dict, targets=TARGETS, tokens: int = 8192, contexts=(4096, 81
     rows = []
     for t in targets:
         for cls in BAND_CLASSES:
-            ok = [(p["bits"], e, p) for e, p in cand if _band_class(e) == cls and p["ci"][1] <= t]
-            row = {"target": float(t), "band": cls, "entry": None, "candidates": sum(_band_class(e) == cls for e, _ in cand)}
+            ok = [(p["bits"], e, p) for e, p in cand if _in_class(e, cls) and p["ci"][1] <= t]
+            row = {"target": float(t), "band": cls, "entry": None, "candidates": sum(_in_class(e, cls) for e, _ in cand)}
             if ok:
                 bits, e, p = min(ok, key=lambda x: (x[0], x[1]))
                 row.update(entry=e, bits=bits, dppl=p["dppl"], ci=p["ci"], windows=p["windows"],

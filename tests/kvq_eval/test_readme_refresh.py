@@ -62,7 +62,11 @@ def test_recommend_uses_the_upper_end_of_the_interval(folder):
     # tq_mse2@none averages +1.5 % but its interval reaches far beyond 3 %: never recommended
     assert rows[(1.0, "none")]["entry"] == "tq_mse3@none" and rows[(3.0, "none")]["entry"] == "tq_mse3@none"
     assert rows[(0.5, "none")]["entry"] == "tq_mse4@none"
-    assert rows[(3.0, "band")]["entry"] == "tq_mse2@0,64" and rows[(1.0, "band")]["entry"] == "kivi4@64,256"
+    # a band allowed: every entry competes, so a cheaper band-free one wins (tq_mse3@none at 1 %, not the
+    # dearer kivi4@64,256), and a band setting where it is the cheapest (tq_mse2@0,64 at 3 %)
+    assert rows[(3.0, "any")]["entry"] == "tq_mse2@0,64" and rows[(1.0, "any")]["entry"] == "tq_mse3@none"
+    assert rows[(0.5, "any")]["entry"] == "tq_mse4@none" and rows[(0.5, "any")]["candidates"] == 5
+    assert rows[(0.5, "none")]["candidates"] == 3
     r = rows[(1.0, "none")]
     assert r["ci"][1] <= 1.0 and r["dppl"] == pytest.approx(100 * math.expm1(0.005))
     assert r["needles"][4096]["n"] == 6 and r["needles"][4096]["exact"] == pytest.approx(5 / 6)
