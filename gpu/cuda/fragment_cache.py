@@ -37,6 +37,7 @@ __all__ = ["FragmentKVCache", "append_fragment", "fragment_decode_attention", "d
 SOURCES = ("kvq_frag_attention.cu", "kvq_frag_append.cu")
 MAX_ROWS = 8   # KVQ_FRAG_ROWS: query rows (T G) per KV head, the MMA's N
 WARPS = 4      # KVQ_FRAG_WARPS
+BAND_TILE = 64  # KVQ_BAND_TILE: band tokens per CTA of the band path
 _DT = {"torch.float32": 0, "torch.float16": 1, "torch.bfloat16": 2}
 _IN = {"torch.float16": 0, "torch.float32": 1}  # kvq_quant.cuh KVQ_IN_F16 / KVQ_IN_F32
 _c_int, _c_ptr, _u32 = ctypes.c_int, ctypes.c_void_p, ctypes.c_uint32
@@ -57,7 +58,7 @@ class _FragArgs(ctypes.Structure):
                 ("band_cap", _c_int), ("kpool", _u32 * 4), ("vpool", _u32 * 4), ("mul", _Mul), ("ksigma", ctypes.c_float), ("kperm", _c_ptr),
                 ("ksigns", _c_ptr), ("vinv_perm", _c_ptr), ("vsigns", _c_ptr), ("khblock", _c_int),
                 ("vhblock", _c_int), ("sm_scale", ctypes.c_float), ("splits", _c_int), ("chunk", _c_int),
-                ("ws", _c_ptr), ("dependent_launch", _c_int)]
+                ("ws", _c_ptr), ("dependent_launch", _c_int), ("band_ctas", _c_int)]
 
 
 class _Quant(ctypes.Structure):
@@ -312,7 +313,8 @@ def fragment_decode_attention(q, cache: FragmentKVCache, ktable=None, vtable=Non
     splits : int, optional
         Force the split count (``gpu.schedule.plan_splits``).
     workspace : torch.Tensor, float32, optional
-        ``B H (S + 1) 8 (d + 2)`` floats or more, kept across calls (CUDA graphs).
+        ``B H (S + NB) 8 (d + 2)`` floats or more (NB = ceil(band capacity / 64)), kept across calls
+        (CUDA graphs).
     dependent_launch : bool, default True
         Launch the merge kernel as a programmatic dependent of the split kernel (Hopper; elsewhere the
         runtime launches it plainly), so that its launch overlaps the split kernel. The result is the
@@ -351,7 +353,8 @@ def fragment_decode_attention(q, cache: FragmentKVCache, ktable=None, vtable=Non
     lib = fragment_library(backend, d, km.bits, vm.bits)
     u = 1 if 4 in (km.bits, vm.bits) else 2
     plan = plan_splits(B, H, max_seq_len, 16 * WARPS * u, splits=splits)
-    size = B * H * (plan.splits + 1) * MAX_ROWS * (d + 2)
+    band_ctas = -(-cache.band_k.shape[2] // BAND_TILE)  # one CTA per 64 band slots (KVQ_BAND_TILE)
+    size = B * H * (plan.splits + band_ctas) * MAX_ROWS * (d + 2)
     if workspace is None or workspace.numel() < size:
         workspace = torch.empty(max(size, 1), dtype=torch.float32, device=q.device)
     q = q.contiguous()
@@ -363,7 +366,7 @@ def fragment_decode_attention(q, cache: FragmentKVCache, ktable=None, vtable=Non
                      cache.page_size.bit_length() - 5, cache.kv.shape[2] - 1, _ptr(cache.band_k), _ptr(cache.band_v), _ptr(cache.band_lens), _DT[str(cache.band_k.dtype)],
                      cache.band_k.shape[2], _pools(ktab, km.bits, "k"), _pools(vtab, vm.bits), _Mul(*MUL), _ksigma(ktab, km.bits),
                      _ptr(kr["perm"]), _ptr(kr["signs"]), _ptr(vr["inv_perm"]), _ptr(vr["signs"]), kr["block"],
-                     vr["block"], scale, plan.splits, plan.chunk, _ptr(workspace), int(dependent_launch))
+                     vr["block"], scale, plan.splits, plan.chunk, _ptr(workspace), int(dependent_launch), band_ctas)
     _call(lib, backend, q.device, "kvq_frag_attention", ctypes.byref(args))
     return out
 

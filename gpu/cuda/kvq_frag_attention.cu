@@ -5,9 +5,9 @@
 // What it computes: gpu.triton.paged's split-and-merge (kvq_ref.attention.attention_decode per
 // sequence and KV head), the same plan (gpu.schedule.plan_splits), block tables, per-sequence
 // lengths and 16-bit band:
-//   1. kvq_frag_split_kernel<D, KB, VB>, grid B H (S + 1), 4 warps: CTA (b, h, s < S) attends the
+//   1. kvq_frag_split_kernel<D, KB, VB>, grid B H (S + NB), 4 warps: CTA (b, h, s < S) attends the
 //      R = T G <= 8 query rows of KV head h to the encoded tokens [s C, (s + 1) C) of sequence b; the
-//      CTA (b, h, S) to the band (kvq_frag_parts.cuh). The query rows are rotated once (R_K q, in shared
+//      CTA (b, h, S + c) to band tokens [64 c, 64 (c + 1)) (kvq_frag_parts.cuh). The query rows are rotated once (R_K q, in shared
 //      memory), scaled by sm_scale log2(e), and held as the B fragments of S^T = K Q^T (16 tokens x 8
 //      rows): float16 scaled by a power of two that keeps them inside its normal range, or at 2 bits,
 //      where the keys go through int8 mma.m16n8k32, 16-bit integers split into two int8 bytes. Each
@@ -25,7 +25,7 @@
 //      The 4 warps' (m, l, O) merge in shared memory; the CTA writes its partial (log2 domain) to the
 //      workspace.
 //   2. kvq_frag_merge_kernel (kvq_frag_parts.cuh), grid B H R: log-sum-exp merge of the S partials,
-//      one inverse value rotation, the band partial, the division, the store in q's dtype. It is a
+//      one inverse value rotation, the NB band partials, the division, the store in q's dtype. It is a
 //      programmatic dependent launch of the split kernel (FragArgs::dependent_launch; Hopper): the split
 //      CTAs release it as they start, so its launch overlaps the split kernel's run.
 // Empty splits and masked tokens leave m = -inf, l = 0; every exponent is taken against a finite
@@ -239,12 +239,12 @@ __global__ void __launch_bounds__(KVQ_FRAG_THREADS, KVQ_FRAG_MIN_BLOCKS(D, KB)) 
 
   kvq_launch_dependents();  // the merge kernel may be launched (it waits for this grid's writes)
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const int S = a.splits;
-  const int b = (int)(blockIdx.x / (unsigned)(a.H * (S + 1)));
-  const int h = (int)(blockIdx.x / (unsigned)(S + 1) % (unsigned)a.H);
-  const int s = (int)(blockIdx.x % (unsigned)(S + 1));
-  if (s == S) {
-    kvq_frag_band<D>(a, b, h, s_buf);
+  const int S = a.splits, SB = S + a.band_ctas;
+  const int b = (int)(blockIdx.x / (unsigned)(a.H * SB));
+  const int h = (int)(blockIdx.x / (unsigned)SB % (unsigned)a.H);
+  const int s = (int)(blockIdx.x % (unsigned)SB);
+  if (s >= S) {
+    kvq_frag_band<D>(a, b, h, s - S, s_buf);
     return;
   }
   const size_t bh = (size_t)b * a.H + h;
@@ -503,13 +503,14 @@ extern "C" int kvq_frag_attention(const FragArgs* args, void* stream) {
       a.page_bytes != (unsigned)(a.H * (a.page_size / 16) * FragCfg<KVQ_FRAG_CFG>::TB) ||
       a.log_tpp != (unsigned)(a.log_page - 4) || a.tpp_mask != (unsigned)(a.page_size / 16 - 1) || a.splits < 1 || a.chunk < 16 || a.chunk % 16 || a.band_cap < 1 ||
       a.khblock < 1 || KVQ_FRAG_D % a.khblock || a.vhblock < 1 || KVQ_FRAG_D % a.vhblock || a.ws == nullptr ||
-      (a.dependent_launch != 0 && a.dependent_launch != 1) ||
-      (long long)a.B * a.H * (a.splits + 1) > 0x7FFFFFFFLL)
+      (a.dependent_launch != 0 && a.dependent_launch != 1) || a.band_ctas < 1 ||
+      (long long)a.band_ctas * KVQ_BAND_TILE < a.band_cap ||
+      (long long)a.B * a.H * (a.splits + a.band_ctas) > 0x7FFFFFFFLL)
     return KVQ_EINVAL;
   if (a.B == 0) return KVQ_OK;
   auto* split = &kvq_frag_split_kernel<KVQ_FRAG_CFG>;
   auto* merge = &kvq_frag_merge_kernel<KVQ_FRAG_D>;
-  KVQ_LAUNCH(split, (unsigned)(a.B * a.H * (a.splits + 1)), KVQ_FRAG_THREADS, (cudaStream_t)stream)(a);
+  KVQ_LAUNCH(split, (unsigned)(a.B * a.H * (a.splits + a.band_ctas)), KVQ_FRAG_THREADS, (cudaStream_t)stream)(a);
   int rc = (int)cudaGetLastError();
   if (rc) return rc;
   return (int)kvq_launch_dependent(merge, (unsigned)(a.B * a.H * a.R), KVQ_MERGE_THREADS, (cudaStream_t)stream,

@@ -48,8 +48,9 @@ struct FragArgs {
   int khblock, vhblock;
   float sm_scale;
   int splits, chunk;
-  float* ws;             // (B, H, S + 1, 8, d + 2): m (log2 units), l, acc[d]
+  float* ws;             // (B, H, S + NB, 8, d + 2): m (log2 units), l, acc[d]; splits, then band steps
   int dependent_launch;  // 1: the merge is a programmatic dependent launch of the split kernel
+  int band_ctas;         // NB: CTAs per (b, h) for the band, KVQ_BAND_TILE tokens each (NB * 64 >= band_cap)
 };
 
 
@@ -59,8 +60,9 @@ __device__ __forceinline__ float kvq_load_as_float(const void* p, int dtype, siz
   return dtype == KVQ_DT_F16 ? __half2float(__ushort_as_half(u)) : kvq_bf16(u);
 }
 
+// Partial s of (b, h): s < S a split's (value-rotation domain), S + c band step c's (original domain).
 __device__ __forceinline__ float* kvq_frag_partial(const FragArgs& a, size_t bh, int s, int r, int d) {
-  return a.ws + ((bh * (size_t)(a.splits + 1) + (size_t)s) * KVQ_FRAG_ROWS + (size_t)r) * (size_t)(d + 2);
+  return a.ws + ((bh * (size_t)(a.splits + a.band_ctas) + (size_t)s) * KVQ_FRAG_ROWS + (size_t)r) * (size_t)(d + 2);
 }
 
 // Rows r < R of the query of (b, h), times `scale`, into s_q[8][D] (rows >= R zero).
@@ -79,9 +81,12 @@ __device__ void kvq_frag_load_q(const FragArgs& a, int b, int h, float scale, fl
 }
 
 
-// The float32 band partial (original domain) of CTA (b, h, S).
+// The float32 band partial (original domain) of CTA (b, h, S + c): band tokens [64 c, 64 (c + 1)). The
+// band is spread over NB CTAs of one step each so that at batch 1, where every CTA of the call runs in
+// one wave, a long band (320 tokens for a 64,256 band) does not outlast the splits' loops; a CTA past
+// the band's length writes the empty partial (m = -inf, l = 0, acc = 0).
 template <int D>
-__device__ void kvq_frag_band(const FragArgs& a, int b, int h, float* s_buf) {
+__device__ void kvq_frag_band(const FragArgs& a, int b, int h, int c, float* s_buf) {
   __shared__ float s_part[2][KVQ_FRAG_ROWS][KVQ_BAND_TILE];
   __shared__ float s_p[KVQ_FRAG_ROWS][KVQ_BAND_TILE];
   __shared__ float s_m[KVQ_FRAG_ROWS], s_l[KVQ_FRAG_ROWS], s_alpha[KVQ_FRAG_ROWS];
@@ -99,10 +104,10 @@ __device__ void kvq_frag_band(const FragArgs& a, int b, int h, float* s_buf) {
 #pragma unroll
     for (int c = 0; c < NC; ++c) acc[r][c] = 0.0f;
   __syncthreads();
-  const int nb = a.band_lens[b];
+  const int nb = min(a.band_lens[b], (c + 1) * KVQ_BAND_TILE);
   const size_t rows0 = ((size_t)b * a.H + h) * (size_t)a.band_cap;
   const int u = tid % KVQ_BAND_TILE, half = tid / KVQ_BAND_TILE;  // 128 threads = 2 halves of d
-  for (int t0 = 0; t0 < nb; t0 += KVQ_BAND_TILE) {
+  for (int t0 = c * KVQ_BAND_TILE; t0 < nb; t0 += KVQ_BAND_TILE) {
     const int tile = min(KVQ_BAND_TILE, nb - t0);
     float dot[KVQ_FRAG_ROWS];
 #pragma unroll
@@ -156,7 +161,7 @@ __device__ void kvq_frag_band(const FragArgs& a, int b, int h, float* s_buf) {
 #pragma unroll
   for (int r = 0; r < KVQ_FRAG_ROWS; ++r) {
     if (r >= a.R) break;
-    float* p = kvq_frag_partial(a, bh, a.splits, r, D);
+    float* p = kvq_frag_partial(a, bh, a.splits + c, r, D);
     if (tid == 0) {
       p[0] = s_m[r];
       p[1] = s_l[r];
@@ -170,8 +175,8 @@ __device__ void kvq_frag_band(const FragArgs& a, int b, int h, float* s_buf) {
 }
 
 
-// Grid B H R, one CTA per query row: merge of the S partials, inverse value rotation, band partial,
-// division, store. The merge is on the critical path of a call (at batch 1, where S is about 50, the
+// Grid B H R, one CTA per query row: merge of the S partials, inverse value rotation, the NB band
+// partials, division, store. The merge is on the critical path of a call (at batch 1, where S is about 50, the
 // longest part of it after the split kernel), so it is short and wide:
 //   * it is launched as a programmatic dependent of the split kernel (kvq_launch_dependent; the split
 //     CTAs release it as they start), so its launch and its reads of the call's constants (the value
@@ -180,8 +185,8 @@ __device__ void kvq_frag_band(const FragArgs& a, int b, int h, float* s_buf) {
 //   * one pass over the partials: KVQ_MERGE_THREADS threads = SG groups of splits x D coordinates, each
 //     thread with a running maximum and rescaled sums over its group's splits, taken in batches of 8
 //     whose 24 loads are all issued before the first is used: ceil(S / (8 SG)) dependent round trips,
-//     the band partial's loads in flight with the first batch; the SG groups' (m, l, acc) merge in
-//     shared memory.
+//     after the band's NB partials (one for a band of up to 64 tokens); the SG groups' (m, l, acc)
+//     merge in shared memory.
 // (The host emulation runs 2 D threads, SG = 2: the same code, a quarter of the OS threads at d = 128.)
 #ifdef KVQ_HOST_EMULATION
 #define KVQ_MERGE_THREADS (2 * KVQ_FRAG_D)
@@ -203,12 +208,17 @@ __global__ void __launch_bounds__(KVQ_MERGE_THREADS) kvq_frag_merge_kernel(FragA
   const float sign1 = a.vsigns[j], sign2 = a.vsigns[D + j];
   const int src = a.vinv_perm[j];
   kvq_wait_prerequisites();  // from here every partial is written and visible
-  float mb = -INFINITY, lb = 0.0f, ob = 0.0f;  // the band partial (group 0 only)
+  float mb = -INFINITY, lb = 0.0f, ob = 0.0f;  // the band steps' partials, merged (group 0 only)
   if (sg == 0) {
-    const float* pb = kvq_frag_partial(a, bh, a.splits, r, D);
-    mb = pb[0];
-    lb = pb[1];
-    ob = pb[2 + j];
+    for (int c = 0; c < a.band_ctas; ++c) {
+      const float* pb = kvq_frag_partial(a, bh, a.splits + c, r, D);
+      const float mc = pb[0], mn = fmaxf(mb, mc);
+      const float ref = mn == -INFINITY ? 0.0f : mn;
+      const float c_old = kvq_ex2(mb - ref), cc = kvq_ex2(mc - ref);
+      lb = lb * c_old + cc * pb[1];
+      ob = ob * c_old + cc * pb[2 + j];
+      mb = mn;
+    }
   }
   // splits sg, sg + SG, ...: the running maximum m and the sums l, acc against max(m, 0 if m = -inf),
   // in batches of 8 splits whose loads all go out before any is used (one round trip a batch)

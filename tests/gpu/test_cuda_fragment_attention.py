@@ -179,14 +179,16 @@ _BUILT = [(128, 2, 2), (128, 3, 3), (128, 4, 4), (64, 2, 4), (64, 4, 4), (256, 3
 @settings(max_examples=12)
 @given(cfg=st.sampled_from(_BUILT), lengths=st.lists(st.integers(0, 1200), min_size=1, max_size=2),
        rows=st.sampled_from([(1, 1), (1, 4), (1, 8), (2, 4), (4, 2)]), splits=st.one_of(st.none(), st.integers(1, 40)),
-       page=st.sampled_from([32, 64]), band=st.sampled_from([(0, 0), (1, 0), (2, 3)]), ramp=st.sampled_from([0.0, 3.0]),
+       page=st.sampled_from([32, 64]), band=st.sampled_from([(0, 0), (1, 0), (2, 3), (4, 130)]),
+       ramp=st.sampled_from([0.0, 3.0]),
        seed=st.integers(0, 2**16))
 def test_host_any_shape_matches_kvq_ref(cfg, lengths, rows, splits, page, band, ramp, seed):
     """The law kernel == reference over random shapes (host emulation): 1-2 sequences of 0-1200 encoded
     tokens, T G = 1..8 query rows, forced (1-40) or planned split counts (empty splits included; up to
     19 non-empty splits of 64 tokens, so a merge thread may pass over more than one batch of 8), pages
-    of 32 or 64 tokens, no band, a sink, or a sink and a window, scores flat or growing along the
-    sequence. Every row within the module's tier; a sequence that sees no token gets exactly 0."""
+    of 32 or 64 tokens, no band, a sink, a sink and a window, or a band of 134 tokens over 3 band CTAs,
+    scores flat or growing along the sequence. Every row within the module's tier; a sequence that sees
+    no token gets exactly 0."""
     if not (os.environ.get("CXX") or shutil.which("g++")):
         pytest.skip("the host emulation needs g++ (>= 12)")
     d, kb, vb = cfg
@@ -222,6 +224,30 @@ def test_band_only_empty_and_masked(device):
                                 ref[0][0].value_method) for _ in range(2)]
     q = _q(3, 1, 2, 4, 128).to(device)
     check(cache, ref, q, fragment_decode_attention(q, cache, splits=5))
+
+
+def test_long_band_spread_over_ctas(device):
+    """A 4 + 200-token band (a 4,200 setting): 4 band CTAs of 64 slots each (the last one partly
+    filled), merged with the splits. The third sequence is 66 tokens, all in its band: band CTAs 0
+    and 1 hold 64 and 2 of them, CTAs 2 and 3 are past the band's length (m = -inf), and no split
+    has a token."""
+    cache, ref = build(torch.device("cpu"), 128, 3, 3, [700, 40, 0], sink=4, window=200, seed=21)
+    assert cache.band_k.shape[2] == 204  # ceil(204 / 64) = 4 band CTAs
+    rng = np.random.default_rng(23)
+    km, vm = ref[0][0].key_method, ref[0][0].value_method
+    for h in range(2):
+        K, V = rng.standard_normal((2, 66, 128))
+        c = QuantizedKV.build(K, V, km, vm, 4, 200)
+        assert c.keys is None and c.band_keys.shape[0] == 66
+        cache.band_k[2, h, :66] = torch.from_numpy(c.band_keys).to(cache.band_k.dtype)
+        cache.band_v[2, h, :66] = torch.from_numpy(c.band_values).to(cache.band_v.dtype)
+        ref[2][h] = c
+    cache.band_lens[2] = 66
+    cache = FragmentKVCache(*[getattr(cache, f).to(device) if isinstance(getattr(cache, f), torch.Tensor)
+                              else getattr(cache, f) for f in FragmentKVCache.__dataclass_fields__])
+    q = _q(3, 1, 2, 4, 128, seed=22).to(device)
+    check(cache, ref, q, fragment_decode_attention(q, cache))
+    check(cache, ref, q, fragment_decode_attention(q, cache, splits=3))
 
 
 @pytest.mark.parametrize("qdtype,bdtype", [(torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16)])
