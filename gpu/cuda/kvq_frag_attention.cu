@@ -7,8 +7,10 @@
 // lengths and 16-bit band:
 //   1. kvq_frag_split_kernel<D, KB, VB>, grid B H (S + NB), 4 warps: CTA (b, h, s < S) attends the
 //      R = T G <= 8 query rows of KV head h to the encoded tokens [s C, (s + 1) C) of sequence b; the
-//      CTA (b, h, S + c) to band tokens [64 c, 64 (c + 1)) (kvq_frag_parts.cuh). The query rows are rotated once (R_K q, in shared
-//      memory), scaled by sm_scale log2(e), and held as the B fragments of S^T = K Q^T (16 tokens x 8
+//      CTA (b, h, S + c) to band tokens [64 c, 64 (c + 1)) (kvq_frag_parts.cuh). A split CTA first issues
+//      the copies of its first tiles, then rotates the query rows once (R_K q, in the ring slots those
+//      copies leave free, so the tiles' first round trip hides under the query's load and rotation),
+//      scaled by sm_scale log2(e), and holds them as the B fragments of S^T = K Q^T (16 tokens x 8
 //      rows): float16 scaled by a power of two that keeps them inside its normal range, or at 2 bits,
 //      where the keys go through int8 mma.m16n8k32, 16-bit integers split into two int8 bytes. Each
 //      warp takes groups of U tiles of 16 tokens (FragCfg), copied by cp.async into its ring of
@@ -249,31 +251,119 @@ __global__ void __launch_bounds__(KVQ_FRAG_THREADS, KVQ_FRAG_MIN_BLOCKS(D, KB)) 
   }
   const size_t bh = (size_t)b * a.H + h;
 
-  // ---- the rotated, scaled query as the B fragments of the score MMAs ----
-  float* s_q = s_buf;
-  float* s_w = s_buf + KVQ_FRAG_ROWS * D;
-  kvq_frag_load_q<D>(a, b, h, 1.0f, s_q);
+  // ---- the split's first groups of tiles, in flight before the query is read ----
+  // Level pools, lookup constants and this lane's ring address, parked in shared memory by each thread
+  // and read back from its own spot: the round trip makes them opaque to ptxas, which would otherwise
+  // keep the constants in uniform registers and copy them before every use (module docstring of
+  // kvq_frag.cuh), or rebuild the address from SR_TID and the shared window in every iteration. The
+  // parking spots lie in the ring and are read back before any copy is issued into it.
+  struct Park {
+    KvqMul mul;
+    uint32_t kpool[4], vpool[4];
+    const int* table;
+    kvq_saddr s16, s8, s4;
+  };
+  static_assert(sizeof(Park) * KVQ_FRAG_THREADS <= C::RING, "the parking spots do not fit the ring");
+  Park* park = (Park*)s_raw + tid;
+  const kvq_saddr ring = kvq_smem(s_raw + warp * NS * U * C::SLOT);
+  park->mul = a.mul;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    park->kpool[i] = a.kpool[i];
+    park->vpool[i] = a.vpool[i];
+  }
+  park->table = a.block_table + (size_t)b * (unsigned)a.bt_stride;
+  park->s16 = ring + 16u * (unsigned)lane;
+  park->s8 = ring + 8u * (unsigned)lane;
+  park->s4 = ring + 4u * (unsigned)lane;
   __syncthreads();
-  for (int i = tid; i < KVQ_FRAG_ROWS * D; i += KVQ_FRAG_THREADS) {  // w = P D1 q
-    const int r = i / D, p = a.kperm[i % D];
-    s_w[i] = s_q[r * D + p] * a.ksigns[p];
+  const Park parked = *park;
+  __syncthreads();  // the ring may overwrite the parking spot from now on
+  const int n = a.seq_lens[b];
+  const int t0 = min(n, s * a.chunk), t1 = min(n, (s + 1) * a.chunk);
+  // t0 is a multiple of 16 U unless the split is empty (t0 = t1 = n): then it has no tile
+  const int tile0 = t0 / KVQ_FRAG_TILE, tile1 = t1 > t0 ? (t1 + KVQ_FRAG_TILE - 1) / KVQ_FRAG_TILE : tile0;
+  const int groups = (tile1 - tile0 + U - 1) / U;
+  // group grp holds tiles tile0 + U grp + [0, U); a tile past the split's last one is in the same page (U
+  // divides page_size / 16) and is masked
+  const unsigned tpp = (unsigned)a.page_size / KVQ_FRAG_TILE;
+  const unsigned ul = (unsigned)lane;
+  const uint8_t* kvh = a.kv + (size_t)h * tpp * (unsigned)C::TB;
+  FragSeq sq;
+  sq.table = parked.table;
+  sq.g16 = kvh + 16u * ul;
+  sq.g8 = kvh + 8u * ul;
+  sq.g4 = kvh + 4u * ul;
+  sq.gn = kvh + C::CODES + 8u * (ul >> 2);
+  sq.s16 = parked.s16;
+  sq.s8 = parked.s8;
+  sq.s4 = parked.s4;
+  sq.page_bytes = a.page_bytes;
+  sq.log_tpp = a.log_tpp;
+  sq.tpp_mask = a.tpp_mask;
+  // cp.async pipeline: the warp's j-th group (tiles tile0 + U (warp + 4 j) + [0, U)) goes to slot j % NS;
+  // NS - 1 groups are in flight while one is computed. Page ids are read one group ahead of the copies.
+  // The first NS - 1 groups are issued here, so that their round trip overlaps the query's load and
+  // rotation below, which use each warp's last slot (free until the loop's first issue).
+  const int mine = warp < groups ? (groups - warp + KVQ_FRAG_WARPS - 1) / KVQ_FRAG_WARPS : 0;  // this warp's
+  constexpr unsigned STEP = KVQ_FRAG_WARPS * U;                                                 // tiles apart
+  constexpr unsigned USLOT = U * C::SLOT;
+  unsigned tl = (unsigned)(tile0 + U * warp);  // next group to issue
+  unsigned page = 0;
+  if (mine > 0) {
+    page = (unsigned)__ldg(sq.table + (tl >> sq.log_tpp));
+#pragma unroll
+    for (int j = 0; j < NS - 1; ++j) {
+      if (j < mine) {
+        const unsigned next_page = (unsigned)__ldg(sq.table + (min(tl + STEP, (unsigned)tile1 - 1u) >> sq.log_tpp));
+        kvq_frag_issue<D, KB, VB>(sq, page, tl, j * USLOT);
+        page = next_page;
+        tl += STEP;
+      }
+      kvq_cp_commit();
+    }
+  }
+  const KvqMul mul = parked.mul;
+  uint32_t kpool[4], vpool[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    kpool[i] = parked.kpool[i];
+    vpool[i] = parked.vpool[i];
+  }
+
+  // ---- the rotated, scaled query as the B fragments of the score MMAs ----
+  // w = R_K q row by row (8 rows, zero past R) in float32: rows 2 w', 2 w' + 1 in warp w''s last ring slot
+  // (U SLOT >= 2 D 4 bytes: a slot holds at least a tile's codes, 2 D (KB + VB) >= 8 D bytes)
+  static_assert(C::SLOT * U >= 2 * D * 4 && KVQ_FRAG_ROWS == 2 * KVQ_FRAG_WARPS, "the query rows do not fit the last slots");
+  auto wrow = [&](int r) -> float* {
+    return (float*)(s_raw + ((r >> 1) * NS + NS - 1) * USLOT) + (r & 1) * D;
+  };
+  for (int i = tid; i < KVQ_FRAG_ROWS * D; i += KVQ_FRAG_THREADS) {  // w = P D1 q, read straight from q
+    const int r = i / D, c = i % D, p = a.kperm[c];
+    float v = 0.0f;
+    if (r < a.R) {
+      const size_t row = (((size_t)b * a.T + r / a.G) * a.H + h) * a.G + r % a.G;
+      v = kvq_load_as_float(a.q, a.q_dtype, row * D + p);
+    }
+    wrow(r)[c] = v * a.ksigns[p];
   }
   for (int hh = 1; hh < a.khblock; hh <<= 1) {  // butterflies (x, y) -> (x + y, x - y)
     __syncthreads();
     for (int i = tid; i < KVQ_FRAG_ROWS * D / 2; i += KVQ_FRAG_THREADS) {
       const int r = i / (D / 2), p = i % (D / 2);
-      const int j = r * D + (p / hh) * 2 * hh + (p % hh);
-      const float lo = s_w[j], hi = s_w[j + hh];
-      s_w[j] = lo + hi;
-      s_w[j + hh] = lo - hi;
+      float* w = wrow(r) + (p / hh) * 2 * hh + (p % hh);
+      const float lo = w[0], hi = w[hh];
+      w[0] = lo + hi;
+      w[hh] = lo - hi;
     }
   }
   __syncthreads();
   const float qscale_in = a.sm_scale * KVQ_LOG2E / sqrtf((float)a.khblock);
   float mx = 0.0f;
   for (int i = tid; i < KVQ_FRAG_ROWS * D; i += KVQ_FRAG_THREADS) {
-    const float v = s_w[i] * a.ksigns[D + i % D] * qscale_in;
-    s_w[i] = v;
+    float* w = wrow(i / D) + i % D;
+    const float v = *w * a.ksigns[D + i % D] * qscale_in;
+    *w = v;
     mx = fmaxf(mx, fabsf(v));
   }
 #pragma unroll
@@ -283,6 +373,7 @@ __global__ void __launch_bounds__(KVQ_FRAG_THREADS, KVQ_FRAG_MIN_BLOCKS(D, KB)) 
   mx = fmaxf(fmaxf(s_qmax[0], s_qmax[1]), fmaxf(s_qmax[2], s_qmax[3]));
   uint32_t qb[KS][2];
   float kscale;
+  const float* wg = wrow(g);  // this lane's row
   if constexpr (KB == 2) {
     // int8 keys: q' ~ Q / qs with Q = round(q' qs), |Q| <= 32639 = 127 * 256 + 127, split Q = 256 hi + lo
     // (hi, lo int8): qb[s] = hi, qb[D / 32 + s] = lo, the B fragments of k-step s (k 4t..4t+3, +16)
@@ -295,7 +386,7 @@ __global__ void __launch_bounds__(KVQ_FRAG_THREADS, KVQ_FRAG_MIN_BLOCKS(D, KB)) 
         uint32_t hi = 0, lo = 0;
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          const int Q = __float2int_rn(s_w[g * D + 32 * ks + 16 * r + 4 * t + j] * qs);
+          const int Q = __float2int_rn(wg[32 * ks + 16 * r + 4 * t + j] * qs);
           const int H = (Q + 128) >> 8;  // floor((Q + 128) / 256): |H| <= 127, Q - 256 H in [-128, 127]
           hi |= (uint32_t)(H & 0xFF) << (8 * j);
           lo |= (uint32_t)((Q - 256 * H) & 0xFF) << (8 * j);
@@ -311,90 +402,20 @@ __global__ void __launch_bounds__(KVQ_FRAG_THREADS, KVQ_FRAG_MIN_BLOCKS(D, KB)) 
     kscale = 1.0f / qs;  // exact: a power of two
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) {
-      const float* row = s_w + g * D + 16 * ks + 2 * t;
+      const float* row = wg + 16 * ks + 2 * t;
       qb[ks][0] = kvq_pack_half2(row[0] * qs, row[1] * qs);
       qb[ks][1] = kvq_pack_half2(row[8] * qs, row[9] * qs);
     }
   }
+  __syncthreads();  // every warp has read its q rows: the loop's first issue may overwrite the last slots
 
   // ---- the encoded tokens of this split ----
-  // level pools and lookup constants through shared memory (module docstring of kvq_frag.cuh), and
-  // this lane's ring address: the round trip makes it opaque to ptxas, which would otherwise rebuild it
-  // from SR_TID and the shared window in every iteration (s_buf's query copies are dead: the qb are built)
-  __shared__ uint32_t s_pool[8];
-  __shared__ KvqMul s_mul;
-  if (tid < 4) {
-    s_pool[tid] = a.kpool[tid];
-    s_pool[4 + tid] = a.vpool[tid];
-  }
-  if (tid == 0) s_mul = a.mul;
-  __syncthreads();  // every warp has read its q rows
-  struct Park {
-    const int* table;
-    kvq_saddr s16, s8, s4;
-  };
-  Park* park = (Park*)s_raw + tid;
-  const kvq_saddr ring = kvq_smem(s_raw + warp * NS * U * C::SLOT);
-  park->table = a.block_table + (size_t)b * (unsigned)a.bt_stride;
-  park->s16 = ring + 16u * (unsigned)lane;
-  park->s8 = ring + 8u * (unsigned)lane;
-  park->s4 = ring + 4u * (unsigned)lane;
-  __syncthreads();
-  const Park parked = *park;
-  __syncthreads();  // the ring may overwrite the parking spot from now on
-  uint32_t kpool[4], vpool[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    kpool[i] = s_pool[i];
-    vpool[i] = s_pool[4 + i];
-  }
-  const KvqMul mul = s_mul;
-  const int n = a.seq_lens[b];
-  const int t0 = min(n, s * a.chunk), t1 = min(n, (s + 1) * a.chunk);
-  // t0 is a multiple of 16 U unless the split is empty (t0 = t1 = n): then it has no tile
-  const int tile0 = t0 / KVQ_FRAG_TILE, tile1 = t1 > t0 ? (t1 + KVQ_FRAG_TILE - 1) / KVQ_FRAG_TILE : tile0;
-  const int groups = (tile1 - tile0 + U - 1) / U;
   FragState<KS> st;
 #pragma unroll
   for (int i = 0; i < KS; ++i) st.acc[i][0] = st.acc[i][1] = st.acc[i][2] = st.acc[i][3] = 0.0f;
   st.m0 = st.m1 = -INFINITY;
   st.rf0 = st.rf1 = st.l0 = st.l1 = 0.0f;
-  if (warp < groups) {
-    // group grp holds tiles tile0 + U grp + [0, U); a tile past the split's last one is in the same
-    // page (U divides page_size / 16) and is masked
-    const unsigned tpp = (unsigned)a.page_size / KVQ_FRAG_TILE;
-    const unsigned ul = (unsigned)lane;
-    const uint8_t* kvh = a.kv + (size_t)h * tpp * (unsigned)C::TB;
-    FragSeq sq;
-    sq.table = parked.table;
-    sq.g16 = kvh + 16u * ul;
-    sq.g8 = kvh + 8u * ul;
-    sq.g4 = kvh + 4u * ul;
-    sq.gn = kvh + C::CODES + 8u * (ul >> 2);
-    sq.s16 = parked.s16;
-    sq.s8 = parked.s8;
-    sq.s4 = parked.s4;
-    sq.page_bytes = a.page_bytes;
-    sq.log_tpp = a.log_tpp;
-    sq.tpp_mask = a.tpp_mask;
-    // cp.async pipeline: the warp's j-th group (tiles tile0 + U (warp + 4 j) + [0, U)) goes to slot j % NS;
-    // NS - 1 groups are in flight while one is computed. Page ids are read one group ahead of the copies.
-    const int mine = (groups - warp + KVQ_FRAG_WARPS - 1) / KVQ_FRAG_WARPS;  // this warp's groups
-    constexpr unsigned STEP = KVQ_FRAG_WARPS * U;                              // tiles between them
-    constexpr unsigned USLOT = U * C::SLOT;
-    unsigned tl = (unsigned)(tile0 + U * warp);                               // next group to issue
-    unsigned page = (unsigned)__ldg(sq.table + (tl >> sq.log_tpp));
-    int j = 0;
-#pragma unroll
-    for (; j < NS - 1; ++j) {
-      if (j < mine) {
-        const unsigned next_page = (unsigned)__ldg(sq.table + (min(tl + STEP, (unsigned)tile1 - 1u) >> sq.log_tpp));
-        kvq_frag_issue<D, KB, VB>(sq, page, tl, j * USLOT);
-        page = next_page;
-        tl += STEP;
-      }
-      kvq_cp_commit();
-    }
+  if (mine > 0) {
     float dd[U][4];
     uint32_t vn[U];
     unsigned first = (unsigned)(tile0 + U * warp);  // the group being computed
@@ -430,7 +451,7 @@ __global__ void __launch_bounds__(KVQ_FRAG_THREADS, KVQ_FRAG_MIN_BLOCKS(D, KB)) 
   const float m0 = st.m0, m1 = st.m1;
 
   // ---- the four warps' partials, merged in shared memory ----
-  __syncthreads();  // s_buf's query copies are dead
+  __syncthreads();  // the ring and the query rows are dead
   float* s_o = s_buf + warp * KVQ_FRAG_ROWS * D;
   if (g == 0) {
     s_m[warp][2 * t] = m0;

@@ -183,11 +183,13 @@ __device__ void kvq_frag_band(const FragArgs& a, int b, int h, int c, float* s_b
 //     rotation's signs and permutation) overlap the split kernel, and kvq_wait_prerequisites holds it
 //     until every partial is written;
 //   * one pass over the partials: KVQ_MERGE_THREADS threads = SG groups of splits x D coordinates, each
-//     thread with a running maximum and rescaled sums over its group's splits, taken in batches of 8
-//     whose 24 loads are all issued before the first is used: ceil(S / (8 SG)) dependent round trips,
+//     thread with a running maximum and rescaled sums over its group's splits, taken in batches of
+//     KVQ_MERGE_BATCH = 16 whose 48 loads are all issued before the first is used: ceil(S / (16 SG))
+//     dependent round trips (one at d = 128 up to 64 splits, which covers batch 1, where S is about 50),
 //     after the band's NB partials (one for a band of up to 64 tokens); the SG groups' (m, l, acc)
 //     merge in shared memory.
 // (The host emulation runs 2 D threads, SG = 2: the same code, a quarter of the OS threads at d = 128.)
+#define KVQ_MERGE_BATCH 16  // splits a merge thread loads before it uses the first (gpu/cuda/roofline.py)
 #ifdef KVQ_HOST_EMULATION
 #define KVQ_MERGE_THREADS (2 * KVQ_FRAG_D)
 #else
@@ -221,8 +223,8 @@ __global__ void __launch_bounds__(KVQ_MERGE_THREADS) kvq_frag_merge_kernel(FragA
     }
   }
   // splits sg, sg + SG, ...: the running maximum m and the sums l, acc against max(m, 0 if m = -inf),
-  // in batches of 8 splits whose loads all go out before any is used (one round trip a batch)
-  constexpr int NB = 8;
+  // in batches of KVQ_MERGE_BATCH splits whose loads all go out before any is used (one round trip a batch)
+  constexpr int NB = KVQ_MERGE_BATCH;
   float m = -INFINITY, acc = 0.0f, l = 0.0f;
   for (int s0 = sg; s0 < a.splits; s0 += NB * SG) {
     float ms[NB], ls[NB], os[NB];

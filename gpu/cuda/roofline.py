@@ -14,10 +14,12 @@ measurement of this kernel):
 * fixed costs: the split kernel's launch from a CUDA graph (``LAUNCH_US``, 2.5 us; the merge kernel's own
   launch is hidden: it is a programmatic dependent launch that the split CTAs release as they start, so
   it overlaps the split kernel; with ``dependent_merge=False`` it is paid too), a CTA's prologue
-  (``PROLOGUE_US``: the query rotation, 1 us), and the merge kernel, latency-bound:
-  ``1 + ceil(S / (8 SG))`` dependent memory round trips of ``MEMORY_LATENCY_US`` (0.7 us) each (the
-  batches of 8 splits' loads each of its ``SG = 512 / d`` split groups has in flight, the band partial's
-  loads going out with the first, and the output's store), plus 1 us.
+  (``PROLOGUE_US``: the query's load and rotation, 1 us) and the pipeline's fill (the first tiles' round
+  trip, ``MEMORY_LATENCY_US``, 0.7 us), which overlap: the split CTAs issue their first copies before
+  they read the query (``overlap_fill``; without it they add up), and the merge kernel, latency-bound:
+  ``1 + ceil(S / (B SG))`` dependent memory round trips of ``MEMORY_LATENCY_US`` each (the batches of
+  ``B = MERGE_BATCH`` = 16 splits' loads each of its ``SG = 512 / d`` split groups has in flight, the
+  band partial's loads going out with the first, and the output's store), plus 1 us.
 
 The **ceiling** of a call is the same loop with one launch and nothing else (no prologue, no merge): what
 any kernel with these instruction counts could reach if its only fixed cost were the launch. Where the
@@ -34,7 +36,7 @@ from dataclasses import dataclass
 
 from ..schedule import plan_splits
 
-__all__ = ["H200", "Device", "bytes_per_token_head", "predict", "prediction_table"]
+__all__ = ["H200", "Device", "MERGE_BATCH", "bytes_per_token_head", "predict", "prediction_table"]
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,7 @@ class Device:
     launch_us: float = 2.5                # one kernel launched from a CUDA graph
     dependent_merge: bool = True          # the merge's launch overlaps the split kernel (PDL)
     prologue_us: float = 1.0              # a split CTA's query load and rotation before its loop
+    overlap_fill: bool = True             # the first tiles' copies go out before the query is read
     merge_fixed_us: float = 1.0
     memory_latency_us: float = 0.7        # a dependent global-memory round trip, lightly loaded
 
@@ -59,6 +62,9 @@ LAUNCH_US = H200.launch_us
 PROLOGUE_US = H200.prologue_us
 MMA_PER_SM_CLOCK = H200.mma_per_sm_clock
 MEMORY_LATENCY_US = H200.memory_latency_us
+#: Splits whose partials a merge thread loads before it uses the first (KVQ_MERGE_BATCH in
+#: kvq_frag_parts.cuh; tests/gpu/test_cuda_static.py checks the two agree and the SASS issues them so).
+MERGE_BATCH = 16
 
 
 def bytes_per_token_head(d: int, kbits: int, vbits: int) -> float:
@@ -80,11 +86,12 @@ def predict(row: dict, batch: int, tokens: int, kv_heads: int = 8, group: int = 
          "tensor": token_heads * row["mma_per_token_head"] / (clock_total * device.mma_per_sm_clock)}
     bound = max(t, key=t.get)
     loop = t[bound]
-    trips = 1 + math.ceil(plan.splits / (8 * (512 // d)))  # kvq_frag_merge_kernel: 512 threads
+    trips = 1 + math.ceil(plan.splits / (MERGE_BATCH * (512 // d)))  # kvq_frag_merge_kernel: 512 threads
     merge = (device.merge_fixed_us + trips * device.memory_latency_us) * 1e-6
     launch = device.launch_us * 1e-6
     launches = launch * (1 if device.dependent_merge else 2)
-    fixed = launches + device.prologue_us * 1e-6 + merge
+    start = (max if device.overlap_fill else sum)((device.prologue_us, device.memory_latency_us)) * 1e-6
+    fixed = launches + start + merge
     total = loop + fixed
     fp16_bytes = token_heads * 2 * d * 2
     return {"config": row["config"], "batch": batch, "tokens": tokens, "kv_heads": kv_heads, "group": group,

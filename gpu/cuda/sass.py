@@ -26,7 +26,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-__all__ = ["ALU_OPS", "FMA_OPS", "kernel_sass", "kernel_names", "main_loop", "fast_path", "count", "opcode"]
+__all__ = ["ALU_OPS", "FMA_OPS", "kernel_sass", "kernel_names", "main_loop", "fast_path", "count", "opcode",
+           "loads_in_flight"]
 
 ALU_OPS = frozenset({"LOP3", "LOP", "PRMT", "SHF", "FSEL", "SEL", "ISETP", "FSETP", "FMNMX", "IMNMX", "F2FP", "IADD3",
                      "LEA", "P2R", "R2P", "PLOP3"})
@@ -137,6 +138,38 @@ def fast_path(lines: list[str], labels: dict, head: int, back: int) -> list[str]
         path.append(lines[i])
         i = prev[i]
     return path[::-1]
+
+
+_REG = re.compile(r"\bR(\d+)\b")
+
+
+def loads_in_flight(lines: list[str]) -> int:
+    """The most global loads (LDG) a listing issues before the first use of any of them, in program order.
+
+    A load's destination is its first operand; an instruction uses it when the register appears among
+    its other operands (all of them for stores). A use ends a run of outstanding loads; an instruction
+    that writes a pending register without reading it retires that load silently. Straight-line code is
+    what this measures (the merge kernel's unrolled batch); branches are read in listing order.
+    """
+    best = run = 0
+    pending: set[int] = set()
+    for ins in lines:
+        body = ins.split(None, 1)[1] if ins.startswith("@") else ins
+        parts = body.split(None, 1)
+        op = parts[0].split(".")[0]
+        operands = [x.strip() for x in parts[1].split(",")] if len(parts) > 1 else []
+        regs = [[int(r) for r in _REG.findall(x)] for x in operands]
+        store = op.startswith("ST") or op in ("RED", "ATOM")
+        srcs = {r for x in (regs if store else regs[1:]) for r in x}
+        if srcs & pending:
+            best, run = max(best, run), 0
+            pending.clear()
+        if op == "LDG" and regs and regs[0]:
+            pending.add(regs[0][0])
+            run += 1
+        elif not store and regs and regs[0]:
+            pending.discard(regs[0][0])
+    return max(best, run)
 
 
 def _ldg_width(ins: str) -> int:

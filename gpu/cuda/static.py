@@ -4,7 +4,8 @@
 (``-arch=sm_90a -cubin -Xptxas -v``, the flags of the GPU build but a cubin) and ``fragment_row`` reads
 from it what the budget is about, per token and KV head (the split kernel's encoded-token loop,
 ``gpu.cuda.sass``): warp instructions on the common path, ALU-pipe operations, FSEL (select trees),
-shared-memory and local-memory instructions, global loads by width, registers and spills.
+shared-memory and local-memory instructions, global loads by width, registers and spills; and how many
+of the merge kernel's partial loads go out before the first is used (``sass.loads_in_flight``).
 
 A warp's loop iteration covers ``tokens = 128 mma / d`` tokens of one KV head: every 16-token tile
 needs ``d / 16`` value MMAs and ``d / 16`` key MMAs (fp16 ``m16n8k16``, or two int8 ``m16n8k32`` passes
@@ -90,7 +91,9 @@ def fragment_row(build: FragmentBuild) -> dict:
             "fma_per_token_head": per["fma"], "mma_per_token_head": per["mma"], "mufu_per_token_head": per["mufu"],
             "shared_loads_per_token_head": per["lds"], "shared_stores_per_token_head": per["sts"],
             "local_per_token_head": per["ldl"] + per["stl"], "fsel_per_token_head": per["fsel"],
-            "global_loads_by_bytes": {str(k): v for k, v in sorted(c["ldg"].items())}}
+            "global_loads_by_bytes": {str(k): v for k, v in sorted(c["ldg"].items())},
+            # the merge kernel's partial loads issued before the first is used (3 per split of a batch)
+            "merge_loads_in_flight": sass.loads_in_flight(sass.kernel_sass(build.cubin, "kvq_frag_merge_kernel")[0])}
 
 
 def gate_failures(row: dict) -> list[str]:

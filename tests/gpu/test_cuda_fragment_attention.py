@@ -162,8 +162,9 @@ def test_split_counts_and_varying_lengths(device, splits):
 
 def test_many_splits_per_merge_thread(device):
     """2,100 tokens in 40 splits of 64 (33 of them non-empty): on the host emulation (2 groups of splits
-    per merge CTA) a merge thread takes 17 partials in 3 batches of 8. Keys grow along the sequence
-    (ramp), so the running maximum rises from batch to batch and every rescale of the sums matters (the
+    per merge CTA) a merge thread takes 20 partials in 2 batches of 16 (KVQ_MERGE_BATCH), the second holding
+    the last non-empty split, whose keys are the largest: keys grow along the sequence (ramp), so the
+    running maximum rises from batch to batch and every rescale of the sums matters (the
     merge without the rescale of its accumulator fails this test), and the shorter sequence leaves most
     splits empty (m = -inf)."""
     cache, ref = build(device, 64, 4, 4, [2100, 5], heads=1, page_size=32, seed=11, ramp=3.0)
@@ -185,7 +186,7 @@ _BUILT = [(128, 2, 2), (128, 3, 3), (128, 4, 4), (64, 2, 4), (64, 4, 4), (256, 3
 def test_host_any_shape_matches_kvq_ref(cfg, lengths, rows, splits, page, band, ramp, seed):
     """The law kernel == reference over random shapes (host emulation): 1-2 sequences of 0-1200 encoded
     tokens, T G = 1..8 query rows, forced (1-40) or planned split counts (empty splits included; up to
-    19 non-empty splits of 64 tokens, so a merge thread may pass over more than one batch of 8), pages
+    19 non-empty splits of 64 tokens; past 32 splits a merge thread passes over two batches of 16), pages
     of 32 or 64 tokens, no band, a sink, a sink and a window, or a band of 134 tokens over 3 band CTAs,
     scores flat or growing along the sequence. Every row within the module's tier; a sequence that sees
     no token gets exactly 0."""
