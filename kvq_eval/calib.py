@@ -19,7 +19,7 @@ from codebooks.calibration import CalibrationStats
 from codebooks.nova import NovaModel, calibrate
 
 from .hooks import register, session
-from .models import cache_dir
+from .models import cache_dir, slug
 from .provenance import artifact_digest
 from .text import part
 
@@ -120,7 +120,7 @@ def calibration_folder(name: str, sequences: int = 2, length: int = 1024, iterat
     """The cache folder of a model's (swap) calibration with these settings; the round_robin one is
     ``<folder>-round_robin``."""
     key = hashlib.sha256(f"{name}|{sequences}|{length}|{iterations}|{seed}|v2".encode()).hexdigest()[:12]
-    return cache_dir() / "calibration" / f"{name}-{key}"
+    return cache_dir() / "calibration" / f"{slug(name)}-{key}"
 
 
 def stored_digests(name: str, length: int, official: bool = False) -> dict | None:

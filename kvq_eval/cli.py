@@ -29,6 +29,20 @@ from .methods import DEFAULT_METHODS, method_info
 from .niah import VARIANTS as NEEDLE_VARIANTS
 
 
+MODEL_HELP = ("smollm2, gemma3, or your own model: a transformers folder (config.json, weights, tokenizer) or a "
+              ".gguf file (default smollm2)")
+
+
+def model_arg(text: str) -> str:
+    """``--model``: ``kvq_eval.models.canonical_model`` (the argument error names what it takes)."""
+    from .models import canonical_model
+
+    try:
+        return canonical_model(text)
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _methods(text: str) -> list[str]:
     if text in ("all", "default"):
         return list(DEFAULT_METHODS)
@@ -309,7 +323,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvq-eval", description="Evaluate KV-cache quantizers on real models.")
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="run (or resume) the evaluation grid")
-    r.add_argument("--model", default="smollm2", choices=["smollm2", "gemma3"])
+    r.add_argument("--model", default="smollm2", type=model_arg, help=MODEL_HELP)
     r.add_argument("--methods", default=None,
                    help="comma list, or 'default' for every method (the default unless --plan is given); "
                    "<method>:keys (or :values) applies a method to the keys only (values only), the other "
@@ -388,7 +402,7 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--tokens", type=int, default=8192, help="window length the targets apply to")
     w.set_defaults(func=_cmd_recommend)
     c = sub.add_parser("capture", help="exact post-RoPE Q/K/V for kvq-codebooks calibrate")
-    c.add_argument("--model", default="smollm2", choices=["smollm2", "gemma3"])
+    c.add_argument("--model", default="smollm2", type=model_arg, help=MODEL_HELP)
     c.add_argument("--tokens", type=int, default=1024)
     c.add_argument("--sequences", type=int, default=2)
     c.add_argument("--part", default="calibration", choices=["calibration", "evaluation", "haystack"])
@@ -396,7 +410,7 @@ def _parser() -> argparse.ArgumentParser:
     c.set_defaults(func=_cmd_capture)
     s = sub.add_parser("sink", help="why mean-centred keys hurt: the first token's share of the attention outside a "
                        "recent window and TurboQuantMSE's logit error there, plain and centred, per layer and head (JSON)")
-    s.add_argument("--model", default="smollm2", choices=["smollm2", "gemma3"])
+    s.add_argument("--model", default="smollm2", type=model_arg, help=MODEL_HELP)
     s.add_argument("--tokens", type=int, default=2048, help="the first TOKENS tokens of the held-out text")
     s.add_argument("--window", type=int, default=64, help="recent tokens left exact")
     s.add_argument("--bits", type=int, default=3, help="TurboQuantMSE bits")

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from .band import Band, parse_band
 from .methods import method_info
+from .models import slug
 from .niah import VARIANTS
 
 __all__ = ["entry_id", "parse_entry", "plan", "PREFILL_MODES", "TASKS"]
@@ -164,7 +165,7 @@ def plan(model: str, methods, out, contexts=(1024,), tasks=("ppl", "niah"), vari
     if not parsed:
         raise ValueError("bands must name at least one band")
     quant = [m for m in methods if m != "fp32"]
-    root = Path(out) / model
+    root = Path(out) / slug(model)
     units = []
     # a plan (kvq_eval.planfile) is a whole setting: it runs with its own band only
     bands_of = {m: [_own_band(m)] if m.startswith("plan:") else parsed for m in quant}

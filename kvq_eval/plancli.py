@@ -19,6 +19,7 @@ from pathlib import Path
 from codebooks.build import parse_float_list
 
 from .band import parse_band
+from .cli import MODEL_HELP, model_arg
 
 
 def _band(text: str) -> tuple[int, int]:
@@ -113,7 +114,7 @@ def _cmd_plot(args) -> int:
 
 
 def _search_options(p, study: bool) -> None:
-    p.add_argument("--model", default="smollm2", choices=["smollm2", "gemma3"])
+    p.add_argument("--model", default="smollm2", type=model_arg, help=MODEL_HELP)
     p.add_argument("--band", default="0,64", help="the global float16 band: none or S,W (default 0,64)")
     p.add_argument("--candidates", default="tq_mse2-8",
                    help="per-(layer, role) choices: tq_mseA-B ranges and/or method names (default tq_mse2-8)")

@@ -55,7 +55,7 @@ from codebooks._atomic import read_file, write_file
 from codebooks.artifacts import array_spec, canonical_json, sha256
 
 from .methods import PLANS, MethodSpec, _half, _seed, _tq, method_info
-from .models import MODELS
+from .models import canonical_model, model_info
 
 __all__ = ["Plan", "PLAN_SCHEMA", "PLAN_VERSION", "CANDIDATE", "candidate_make", "check_candidate", "plan_spec",
            "layer_spec", "plan_tables", "stored_bits", "save_plan", "load_plan", "plan_from_json", "register_plan",
@@ -126,7 +126,8 @@ class Plan:
     name : str
         ``[A-Za-z0-9][A-Za-z0-9._-]{0,63}``; the evaluation's method is ``plan:<name>``.
     model : str
-        A ``kvq_eval.models.MODELS`` name.
+        A ``kvq_eval.models.MODELS`` name or a local model's path (made absolute:
+        ``kvq_eval.models.canonical_model``); a plan for a local model is read where that path holds it.
     layers : tuple of (str, str)
         (key candidate, value candidate) per layer, one per model layer.
     sink, window : int
@@ -151,9 +152,8 @@ class Plan:
     def __post_init__(self):
         if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
             raise ValueError(f"name must match {_NAME.pattern}, got {self.name!r}")
-        if self.model not in MODELS:
-            raise ValueError(f"model must be one of {sorted(MODELS)}, got {self.model!r}")
-        info = MODELS[self.model]
+        object.__setattr__(self, "model", canonical_model(self.model))  # ValueError for an unknown model
+        info = model_info(self.model)
         layers = tuple(tuple(x) for x in self.layers) if isinstance(self.layers, (list, tuple)) else None
         if layers is None or len(layers) != info.layers or any(len(x) != 2 for x in layers):
             raise ValueError(f"layers must hold {info.layers} (key, value) candidate pairs for {self.model}")
@@ -248,7 +248,7 @@ def stored_bits(plan: Plan) -> dict:
 def _stored_bits(model, layers, sink, window, context) -> dict:
     from .accounting import method_rate, pair_weighted_bits, spec_rates
 
-    info = MODELS[model]
+    info = model_info(model)
     spec = MethodSpec(name="plan", make=_make(layers), sink=sink, window=window)
     r = spec_rates(spec, info.layers, info.kv_heads, info.head_dim)
     acc = pair_weighted_bits(context, sink, window, r["group"], r["rate"], r["table_bits"], info.layers,
@@ -262,7 +262,7 @@ def _stored_bits(model, layers, sink, window, context) -> dict:
 
 
 def _body(plan: Plan) -> dict:
-    info = MODELS[plan.model]
+    info = model_info(plan.model)
     return {"schema": PLAN_SCHEMA, "version": PLAN_VERSION, "name": plan.name,
             "model": {"name": plan.model, "layers": info.layers, "kv_heads": info.kv_heads, "head_dim": info.head_dim},
             "band": {"sink": plan.sink, "window": plan.window}, "context": plan.context, "target": plan.target,
@@ -273,7 +273,7 @@ def _body(plan: Plan) -> dict:
 
 def plan_seeds(model: str) -> dict:
     """``{"key": [[seed per KV head] per layer], "value": ...}`` (module docstring)."""
-    info = MODELS[model]
+    info = model_info(model)
     return {role: [[_seed(layer, h, role) for h in range(info.kv_heads)] for layer in range(info.layers)]
             for role in _ROLES}
 
@@ -326,11 +326,11 @@ def plan_from_json(obj, where: str = "plan", model: str | None = None) -> Plan:
         _fail(where, f"a field is missing or of the wrong type ({exc!r})")
     except ValueError as exc:
         _fail(where, str(exc))
-    info = MODELS[plan.model]
+    info = model_info(plan.model)
     if (m.get("layers"), m.get("kv_heads"), m.get("head_dim")) != (info.layers, info.kv_heads, info.head_dim):
         _fail(where, f"its model geometry {m} is not {plan.model}'s ({info.layers} layers, {info.kv_heads} KV heads, "
                      f"head dimension {info.head_dim})")
-    if model is not None and plan.model != model:
+    if model is not None and plan.model != canonical_model(model):
         raise ValueError(f"{where}: a plan for {plan.model}, not for {model}")
     want = plan_tables(plan.layers, info.head_dim)
     if body["tables"] != want:

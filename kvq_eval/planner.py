@@ -42,6 +42,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from .models import slug
 from .plan import allocate, extrapolate_tq, model_losses
 from .planfile import Plan, candidate_make, check_candidate, stored_bits
 from .sensitivity import ROLES, joint_units, layer_units, read_cell, run_cells
@@ -123,10 +124,10 @@ class SearchConfig:
     name: str | None = None
 
     def __post_init__(self):
-        from .models import MODELS
+        from .models import canonical_model, model_info
 
-        if self.model not in MODELS:
-            raise ValueError(f"model must be one of {sorted(MODELS)}, got {self.model!r}")
+        object.__setattr__(self, "model", canonical_model(self.model))  # raises for an unknown model
+        model_info(self.model)
         t = self.target
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 1:
             raise ValueError(f"target must be a fractional perplexity increase in (0, 1], got {t!r}")
@@ -134,7 +135,7 @@ class SearchConfig:
         if not cands:
             raise ValueError("candidates must name at least one candidate")
         for c in cands:
-            check_candidate(c, MODELS[self.model].head_dim)
+            check_candidate(c, model_info(self.model).head_dim)
         object.__setattr__(self, "candidates", tuple(dict.fromkeys(cands)))
         band = tuple(self.band) if isinstance(self.band, (list, tuple)) else ()
         if len(band) != 2 or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in band):
@@ -167,15 +168,15 @@ class SearchConfig:
 def default_name(cfg: SearchConfig) -> str:
     """``<model>-<band>-t<target %>``, e.g. ``smollm2-0-64-t1``."""
     band = "none" if cfg.band == (0, 0) else f"{cfg.band[0]}-{cfg.band[1]}"
-    return f"{cfg.model}-{band}-t{100 * cfg.target:g}"
+    return f"{slug(cfg.model)}-{band}-t{100 * cfg.target:g}"
 
 
 def sensitivity_table(cfg: SearchConfig, units: list[dict]) -> dict:
     """The measured items (``"raw"``, (layers, 2, candidates, windows); NaN where extrapolated) and the
     model's losses (``"model"``, (layers, 2, candidates)) from the stored layer cells."""
-    from .models import MODELS
+    from .models import model_info
 
-    info = MODELS[cfg.model]
+    info = model_info(cfg.model)
     cands = list(cfg.candidates)
     raw = np.full((info.layers, 2, len(cands), cfg.calib_windows), np.nan)
     for u in units:
@@ -199,9 +200,9 @@ def sensitivity_table(cfg: SearchConfig, units: list[dict]) -> dict:
 def _rates(cfg: SearchConfig) -> np.ndarray:
     """(2, candidates) stored bits per element of each candidate for keys and values."""
     from .accounting import method_rate
-    from .models import MODELS
+    from .models import model_info
 
-    d = MODELS[cfg.model].head_dim
+    d = model_info(cfg.model).head_dim
     return np.array([[method_rate(candidate_make(c)(0, 0, role, d, None), d) for c in cfg.candidates] for role in ROLES])
 
 
@@ -261,7 +262,7 @@ def search(cfg: SearchConfig, work, ray: str | None = None, progress: bool | Non
     log : callable
         Receives one line per step.
     """
-    from .models import MODELS
+    from .models import model_info
     from .provenance import environment
 
     t0 = time.perf_counter()
@@ -304,7 +305,7 @@ def search(cfg: SearchConfig, work, ray: str | None = None, progress: bool | Non
     chosen = min(ok, key=lambda r: (r["bits_per_element"], r["validation"]["ci"][1])) if ok else \
         min(rounds, key=lambda r: r["validation"]["ci"][1])
     layers = tuple(tuple(p) for p in chosen["layers"])
-    info = MODELS[cfg.model]
+    info = model_info(cfg.model)
     record = {
         "search": {**asdict(cfg), "band": list(cfg.band), "candidates": list(cfg.candidates),
                    "measured": list(cfg.measured)},

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .models import slug
+
 __all__ = ["run_study", "uniform_settings", "baseline_gaps", "plot_study", "NEEDLE_DEPTHS"]
 
 NEEDLE_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
@@ -76,7 +78,7 @@ def _plan(cfg, out: Path, ray, progress, log):
     from .planfile import load_plan, save_plan
     from .planner import default_name, search
 
-    path = out / cfg.model / "plans" / f"{cfg.name or default_name(cfg)}.json"
+    path = out / slug(cfg.model) / "plans" / f"{cfg.name or default_name(cfg)}.json"
     if path.is_file():
         plan = load_plan(path, model=cfg.model)
         if plan.record.get("search") == _search_record(cfg):
@@ -123,7 +125,7 @@ def run_study(configs, out, baseline, ray: str | None = None, needles: int = 30,
     if isinstance(needles, bool) or not isinstance(needles, int) or needles < 0 or needles % len(NEEDLE_DEPTHS):
         raise ValueError(f"needles must be a non-negative multiple of {len(NEEDLE_DEPTHS)}, got {needles!r}")
     model, tokens = configs[0].model, configs[0].context
-    out, root = Path(out), Path(out) / configs[0].model
+    out, root = Path(out), Path(out) / slug(configs[0].model)
     plans = []
     for cfg in configs:
         plan, path = _plan(cfg, out, ray, progress, log)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .models import slug
 from .niah import VARIANTS
 from .stats import MIN_UNITS, mcnemar_exact, paired_test, t_interval, wilson_interval
 
@@ -67,7 +68,7 @@ def load_results(folder, model: str, entries=None) -> dict:
     Raises ``FileNotFoundError`` when the folder has no results of ``model`` and ``ValueError``
     naming the file for anything that is not a result of this protocol (v1 folders included).
     """
-    root = Path(folder) / model
+    root = Path(folder) / slug(model)
     if not root.is_dir():
         raise FileNotFoundError(f"no results for {model!r} in {folder}")
     if (root / "lm").is_dir():

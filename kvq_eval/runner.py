@@ -56,7 +56,7 @@ from .grid import (PREFILL_MODES, _calibrated, cell_lock, _check_calib_tokens, _
 from .hooks import SIMULATION, QuantizedCache, cache_kwargs, register, session
 from .keyopts import key_structure
 from .methods import make_spec, method_info
-from .models import cache_dir, load_model
+from .models import cache_dir, canonical_model, load_model, slug
 from .niah import VARIANTS, exact_match, haystack_part, make_sample
 from .provenance import PROTOCOL, environment, provenance
 from .text import part, ppl_text
@@ -110,7 +110,8 @@ class Evaluator:
 
     Parameters
     ----------
-    model_name : {"smollm2", "gemma3"}
+    model_name : str
+        ``"smollm2"``, ``"gemma3"`` or a local model's folder or GGUF file (``kvq_eval.models``).
     calibrate : bool
         Build the calibration tables (cached) for the calibrated methods.
     calib_tokens : int
@@ -122,11 +123,15 @@ class Evaluator:
 
         _check_calib_tokens(calib_tokens)
         torch.set_grad_enabled(False)
-        self.name = model_name
+        self.name = model_name = canonical_model(model_name)
         self.calib_tokens = calib_tokens
         self.model, self.tok, self.info = load_model(model_name)
         register()
-        self.model.set_attn_implementation("kvq")
+        try:
+            self.model.set_attn_implementation("kvq")
+        except (ValueError, NotImplementedError) as exc:  # a model whose attention ignores the interface
+            raise ValueError(f"model {model_name!r} does not route its attention through transformers' "
+                             f"AttentionInterface, which kvq-eval hooks ({exc})") from None
         self.tables = (calibration_tables(self.model, self.tok, model_name, length=calib_tokens)
                        if calibrate else None)
         self._rates: dict = {}
@@ -218,7 +223,7 @@ class Evaluator:
         import torch
 
         key = hashlib.sha256(np.ascontiguousarray(ids.numpy(), dtype=np.int64).tobytes()).hexdigest()[:24]
-        path = cache_dir() / "reference" / f"{self.name}-hidden-{key}.npy"
+        path = cache_dir() / "reference" / f"{slug(self.name)}-hidden-{key}.npy"
         if path.is_file():
             try:
                 arr = np.load(path)

@@ -43,6 +43,7 @@ from pathlib import Path
 import numpy as np
 
 from .grid import _read, _write
+from .models import slug
 
 __all__ = ["window_ids", "layer_inputs", "layer_units", "joint_units", "run_cells", "compute_cell", "read_cell",
            "table_key", "ROLES"]
@@ -114,7 +115,7 @@ def layer_inputs(ev, ids) -> np.ndarray:
     from .models import cache_dir
 
     key = hashlib.sha256(np.ascontiguousarray(ids.numpy(), dtype=np.int64).tobytes()).hexdigest()[:24]
-    path = cache_dir() / "reference" / f"{ev.name}-layer-inputs-{key}.npy"
+    path = cache_dir() / "reference" / f"{slug(ev.name)}-layer-inputs-{key}.npy"
     layers = ev.model.model.layers
     shape = (len(layers), ids.shape[1], ev.model.config.hidden_size)
     if path.is_file():
@@ -261,7 +262,7 @@ def compute_cell(ev, unit: dict) -> dict:
     ids = _window(unit)
     spec = _spec(unit)
     if unit["kind"] == "layer":
-        key = unit["window"]["ids_sha256"]
+        key = (ev.name, unit["window"]["ids_sha256"])  # two models may share a tokenizer (and the ids)
         if key not in _INPUTS:
             _INPUTS.clear()  # one window's states at a time (units come ordered by window)
             _INPUTS[key] = layer_inputs(ev, ids)
@@ -308,17 +309,17 @@ def _windows(model: str, text: str, tokens: int, count: int, spread: bool) -> li
 
 def _folder(out, model, band, w: dict, stride: int) -> Path:
     tag = "none" if band == (0, 0) else f"{band[0]}-{band[1]}"
-    return Path(out) / model / "cells" / f"band{tag}" / f"{w['text']}-T{w['tokens']}-s{stride}" / f"w{w['index']}"
+    return Path(out) / slug(model) / "cells" / f"band{tag}" / f"{w['text']}-T{w['tokens']}-s{stride}" / f"w{w['index']}"
 
 
 def layer_units(model: str, out, band, candidates, tokens: int, count: int, stride: int = 1,
                 text: str = "calibration", layers=None) -> list[dict]:
     """The layer cells of a sensitivity table: every (window, layer, role, candidate), ordered by
     window then layer. Windows are consecutive from the start of ``text``."""
-    from .models import MODELS
+    from .models import model_info
 
     band = tuple(int(x) for x in band)
-    layers = range(MODELS[model].layers) if layers is None else layers
+    layers = range(model_info(model).layers) if layers is None else layers
     units = []
     for w in _windows(model, text, tokens, count, spread=False):
         folder = _folder(out, model, band, w, stride)

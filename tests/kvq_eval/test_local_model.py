@@ -1,0 +1,108 @@
+"""The user's own model: ``--model PATH`` (a transformers folder or a GGUF file) in kvq-eval and kvq-plan.
+
+A tiny randomly initialised Llama (2 layers, 4 query heads over 2 KV heads of dimension 32) is written
+with ``save_pretrained`` beside SmolLM2's tokenizer: what a user's fine-tuned checkpoint looks like on
+disk. Its geometry comes from its configuration, its results and caches go to a folder named by
+``models.slug``, and the evaluation and the plan search run on it end to end on 32-token windows.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+
+import pytest
+
+from kvq_eval import models
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = models.load_tokenizer("smollm2")
+    folder = tmp_path_factory.mktemp("user") / "tiny llama"  # a space: the slug must make a folder name of it
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def test_local_model_names_and_geometry(tiny, tmp_path, monkeypatch):
+    canon = models.canonical_model(str(tiny))
+    assert canon == str(tiny.resolve())
+    monkeypatch.chdir(tiny.parent)
+    assert models.canonical_model("./tiny llama") == canon  # one model, however it is spelled
+    info = models.model_info(canon)
+    assert (info.layers, info.q_heads, info.kv_heads, info.head_dim, info.max_context) == (2, 4, 2, 32, 4096)
+    assert info.path == canon and info.name == models.slug(canon)
+    assert re.fullmatch(r"tiny-llama-[0-9a-f]{8}", models.slug(canon))
+    # a copy elsewhere is another model: another slug, so no shared result folder or cache
+    other = shutil.copytree(tiny, tmp_path / "tiny llama")
+    assert models.slug(str(other)) != models.slug(canon) and models.slug(str(other))[:10] == "tiny-llama"
+    # the wheel models keep their names; a plain name is taken as a results folder's name
+    assert models.canonical_model("gemma3") == models.slug("gemma3") == "gemma3"
+    assert models.slug("my-results") == "my-results"
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "notes.txt").write_text("x")
+    for bad in ("smollm3", str(tmp_path / "empty"), str(tmp_path / "notes.txt"), str(tmp_path / "missing")):
+        with pytest.raises(ValueError, match="local model"):
+            models.canonical_model(bad)
+    with pytest.raises(TypeError, match="non-empty string"):
+        models.canonical_model(None)
+    for name, cfg, match in (("odd", {"hidden_size": 384, "num_attention_heads": 6, "num_key_value_heads": 4},
+                                      "grouped-query"),
+                             ("broken", {"hidden_size": 100, "num_attention_heads": 6}, "cannot read")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2, **cfg}))
+        with pytest.raises(ValueError, match=match):
+            models.model_info(str(tmp_path / name))
+
+
+def test_model_argument_names_what_it_takes(capsys):
+    from kvq_eval.plancli import main
+
+    with pytest.raises(SystemExit):
+        main(["search", "--model", "/no/such/model", "--target", "1", "--out", "p.json"])
+    assert "a transformers folder with a config.json, or a .gguf file" in capsys.readouterr().err
+
+
+@pytest.mark.model
+def test_kvq_eval_and_kvq_plan_on_a_local_model(tiny, tmp_path, capsys):
+    from kvq_eval.cli import main as eval_main
+    from kvq_eval.planfile import load_plan
+    from kvq_eval.plancli import main as plan_main
+
+    canon, name = models.canonical_model(str(tiny)), models.slug(str(tiny))
+    res = tmp_path / "eval"
+    # NOVA-KV calibrates on the model itself (its tables cached under the model's slug)
+    assert eval_main(["run", "--model", str(tiny), "--methods", "tq_mse4,nova", "--band", "none", "--tasks", "ppl",
+                      "--ppl-windows", "32x2", "--calib-tokens", "256", "--out", str(res)]) == 0
+    capsys.readouterr()
+    for method in ("tq_mse4", "nova"):
+        cell = json.loads((res / name / "ppl" / f"{method}__none__T32x2.json").read_text())
+        assert len(cell["windows"]) == 2 and all(math.isfinite(w["nll_q"]) for w in cell["windows"])
+    assert any(p.name.startswith(name) for p in (models.cache_dir() / "calibration").iterdir())
+    # d = 32: codes and a 16-bit norm per vector, 4 + 16/32 bits
+    assert cell["bits_per_element"] > 0 and json.loads(
+        (res / name / "ppl" / "tq_mse4__none__T32x2.json").read_text())["bits_per_element"] == 4.5
+    # the plan search and its evaluation
+    out = tmp_path / "plan.json"
+    rc = plan_main(["search", "--model", str(tiny), "--target", "50", "--band", "0,8", "--candidates", "tq_mse2,tq_mse4",
+                    "--context", "32", "--calib-windows", "1", "--valid-windows", "2", "--rounds", "1",
+                    "--no-model-check", "--out", str(out)])
+    assert rc in (0, 3) and "sensitivity: 8 cells (8 run now" in capsys.readouterr().out
+    plan = load_plan(out, model=str(tiny))
+    assert plan.model == canon and len(plan.layers) == 2
+    assert json.loads(out.read_text())["model"] == {"name": canon, "layers": 2, "kv_heads": 2, "head_dim": 32}
+    with pytest.raises(ValueError, match="not for smollm2"):
+        load_plan(out, model="smollm2")
+    assert eval_main(["run", "--model", str(tiny), "--plan", str(out), "--tasks", "ppl", "--ppl-windows", "32x2",
+                      "--out", str(res)]) == 0
+    assert any(p.name.startswith("plan_") for p in (res / name / "ppl").iterdir())
