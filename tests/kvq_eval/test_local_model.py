@@ -65,6 +65,16 @@ def test_local_model_names_and_geometry(tiny, tmp_path, monkeypatch):
             models.model_info(str(tmp_path / name))
 
 
+@pytest.mark.model
+def test_a_gguf_file_is_a_local_model():
+    """The wheel's own GGUF file, named by its path, reads as the geometry MODELS declares for it (7 s)."""
+    gguf = models.locate_gguf("smollm2")
+    info, ref = models.model_info(str(gguf)), models.MODELS["smollm2"]
+    assert (info.layers, info.q_heads, info.kv_heads, info.head_dim) == (ref.layers, ref.q_heads, ref.kv_heads,
+                                                                         ref.head_dim)
+    assert info.path == str(gguf.resolve()) and info.name.startswith("SmolLM2-135M-Instruct.Q4_1-")
+
+
 def test_model_argument_names_what_it_takes(capsys):
     from kvq_eval.plancli import main
 
