@@ -86,7 +86,7 @@ repro: $(STAMP)
 # head is most of a cell's cost).
 PLAN_OUT := results/plan
 PLAN_STUDY = $(VENV)/bin/kvq-plan study $(if $(RAY),--ray $(RAY)) $(if $(DRY),--dry-run) --targets 0.5,1,3 \
-	--band 0,64 --candidates tq_mse2-8 --extrapolate-above 6 --baseline $(EVAL_OUT) --out $(PLAN_OUT)
+	--band 0,64 --candidates tq_mse2-8 --extrapolate-above 5 --baseline $(EVAL_OUT) --out $(PLAN_OUT)
 plan-study: $(STAMP)
 	$(PLAN_STUDY) --model smollm2
 	$(PLAN_STUDY) --model gemma3 --stride 4
