@@ -169,8 +169,12 @@ def load_model(name: str = "smollm2"):
         p = Path(info.path)
         where = dict(pretrained_model_name_or_path=p.parent, gguf_file=p.name) if p.is_file() else \
             dict(pretrained_model_name_or_path=p)
-        tok = AutoTokenizer.from_pretrained(**where)
-        model = AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32)
+        try:
+            tok = AutoTokenizer.from_pretrained(**where)
+            model = AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32)
+        except Exception as exc:  # a missing tokenizer or weights, an architecture transformers lacks
+            raise ValueError(f"model {name!r}: transformers cannot load it as a causal LM with its tokenizer "
+                             f"({type(exc).__name__}: {exc})") from None
         layers = getattr(getattr(model, "model", None), "layers", None)
         if layers is None or len(layers) != info.layers:
             raise ValueError(f"model {name!r}: kvq-eval needs a causal LM whose decoder layers are "
@@ -198,8 +202,12 @@ def load_tokenizer(name: str = "smollm2"):
     info = model_info(name)
     if info.path is not None:
         p = Path(info.path)
-        return (AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name) if p.is_file()
-                else AutoTokenizer.from_pretrained(p))
+        try:
+            return (AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name) if p.is_file()
+                    else AutoTokenizer.from_pretrained(p))
+        except Exception as exc:
+            raise ValueError(f"model {name!r}: transformers cannot load its tokenizer "
+                             f"({type(exc).__name__}: {exc})") from None
     fp32 = cache_dir() / f"{name}-fp32"
     if (fp32 / "tokenizer_config.json").is_file():
         return AutoTokenizer.from_pretrained(fp32)

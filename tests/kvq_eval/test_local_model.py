@@ -63,6 +63,14 @@ def test_local_model_names_and_geometry(tiny, tmp_path, monkeypatch):
         (tmp_path / name / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2, **cfg}))
         with pytest.raises(ValueError, match=match):
             models.model_info(str(tmp_path / name))
+    # a folder with a configuration but no tokenizer (nor weights): refused with the model's name
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(tiny / "config.json", bare / "config.json")
+    with pytest.raises(ValueError, match="cannot load its tokenizer"):
+        models.load_tokenizer(str(bare))
+    with pytest.raises(ValueError, match="cannot load it as a causal LM"):
+        models.load_model(str(bare))
 
 
 @pytest.mark.model
