@@ -1,11 +1,12 @@
 # %% [markdown]
 # # 05 · Real-model evaluation on SmolLM2-135M
 #
-# The grid is one command, `make eval` (`kvq-eval run ... --out results/eval_v2`, every method
-# with the same 16-bit band, `--band none` and `--band 64,256`, sampled needles at 1K/4K/8K and
-# perplexity windows of 1K and 8K tokens). Its JSON results are committed under
-# `results/eval_v2/smollm2/`. This notebook reads them (table with intervals, quality against
-# stored bits), then runs one short live evaluation.
+# The grid is one command, `make eval` (`kvq-eval run ... --out results/eval_v3`, protocol v3: every
+# method with the same 16-bit band, `--band none` and `--band 64,256`, single-needle tests of 30
+# prompts at 1K, 4K and 8K tokens, perplexity on 8 windows of 1K and 7 held-out windows of 8K tokens,
+# disjoint texts). Its JSON results are committed under `results/eval_v3/smollm2/` as they are
+# computed. This notebook reads them (which setting to deploy, the table with intervals, quality
+# against stored bits), then runs one short live evaluation.
 
 # %%
 from pathlib import Path
@@ -13,13 +14,17 @@ from pathlib import Path
 import matplotlib.pyplot as plt  # noqa: F401  (in Jupyter: inline display of the figures below)
 
 from kvq_eval.plot import figures, load_results, markdown_table
+from kvq_eval.recommend import recommend_table
 
-RESULTS = Path("results/eval_v2")
+RESULTS = Path("results/eval_v3")
 FIG = Path("out/notebooks")
 FIG.mkdir(parents=True, exist_ok=True)
 if (RESULTS / "smollm2").is_dir():
     res = load_results(RESULTS, "smollm2")
-    print(markdown_table(res, "single"))  # one needle variant: exact match is not comparable across them
+    # the cheapest stored-bits setting within 0.5 / 1 / 3 % perplexity of fp32 at 8K tokens (the upper
+    # end of its interval), with and without a 16-bit band: the README's "which setting" table
+    print(recommend_table(res))
+    print(markdown_table(res, "single"))
     charts = figures(res, "smollm2")
     for name, fig in charts.items():
         fig.savefig(FIG / f"05_{name}.png", dpi=90)
@@ -29,8 +34,9 @@ else:
 
 # %% [markdown]
 # Quality against the stored bits as the cache holds them (band and calibrated tables included),
-# with 95 % intervals: bootstrap over perplexity windows, Wilson for needle exact match, and a
-# paired bootstrap for the answer's log-probability change against fp32 (the third panel).
+# with 95 % intervals: a Student t interval over the perplexity windows (the window is the
+# statistical unit), Wilson's for needle exact match, and a paired t interval over the 30 prompts for
+# the answer's log-probability change against fp32.
 
 # %%
 charts.get("quality_vs_bits")
