@@ -121,6 +121,12 @@ def test_kvq_eval_and_kvq_plan_on_a_local_model(tiny, tmp_path, capsys):
     assert json.loads(out.read_text())["model"] == {"name": canon, "layers": 2, "kv_heads": 2, "head_dim": 32}
     with pytest.raises(ValueError, match="not for smollm2"):
         load_plan(out, model="smollm2")
+    # the kernels' side: per layer and role, a quantizer and device table per KV head, at d = 32
+    from gpu.plan import plan_layers
+
+    layers = plan_layers(out)
+    assert [(t.key_candidate, t.value_candidate) for t in layers] == [tuple(p) for p in plan.layers]
+    assert all(len(t.key) == len(t.value) == 2 and t.key[0][0].dim == 32 for t in layers)
     assert eval_main(["run", "--model", str(tiny), "--plan", str(out), "--tasks", "ppl", "--ppl-windows", "32x2",
                       "--out", str(res)]) == 0
     assert any(p.name.startswith("plan_") for p in (res / name / "ppl").iterdir())
