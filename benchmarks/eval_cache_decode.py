@@ -4,7 +4,7 @@ Run from the repository root (needs the evaluation extra and the SmolLM2 wheel; 
 here, the JSON's ``runtime_seconds``)::
 
     python benchmarks/eval_cache_decode.py [--contexts 2048,8192] [--steps 24]
-        [--out results/eval_v2/cache_decode_speed.json]
+        [--out benchmarks/results/eval_cache_decode.json]
 
 Why
 ---
@@ -85,7 +85,7 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", default="2048,8192")
     ap.add_argument("--steps", type=int, default=24)
-    ap.add_argument("--out", default="results/eval_v2/cache_decode_speed.json")
+    ap.add_argument("--out", default="benchmarks/results/eval_cache_decode.json")
     args = ap.parse_args(argv)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as kvq-eval does, before torch loads
 

@@ -3,7 +3,7 @@
 Run from the repository root (needs the evaluation extra and the SmolLM2 wheel; about 5 minutes
 on 2 cores)::
 
-    python benchmarks/eval_simulate.py [--tokens 8192] [--out results/eval_v2/simulate_speed.json]
+    python benchmarks/eval_simulate.py [--tokens 8192] [--out benchmarks/results/eval_simulate.json]
 
 Why
 ---
@@ -44,7 +44,7 @@ NOISE = ("tq_mse4", "tq_mse3", "kivi2")
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=8192)
-    ap.add_argument("--out", default="results/eval_v2/simulate_speed.json")
+    ap.add_argument("--out", default="benchmarks/results/eval_simulate.json")
     args = ap.parse_args(argv)
 
     import torch

@@ -52,7 +52,7 @@ FLASH_KV_BLOCK = 512
 #: the field): dense float64 ``scores``/``accumulate`` per query block. 2: middle and band merged by
 #: log-sum-exp, values read through their float32 reconstruction (7-14x per 8K layer). The
 #: two agree to a float32 ulp per layer, but a window's NLL moves between them (0.009 nats per
-#: token of TurboQuantMSE-4's 0.020 at 1K, ``results/eval_v2/simulate_speed.json``): an ulp flips a
+#: token of TurboQuantMSE-4's 0.020 at 1K, ``benchmarks/results/eval_simulate.json``): an ulp flips a
 #: few quantization codes in a later layer and the window ends on another, equally valid
 #: realization of the quantization noise (so does any tiny change of the values).
 SIMULATION = 2
