@@ -14,6 +14,8 @@ import re
 import shutil
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvq_eval import models
 
@@ -81,6 +83,23 @@ def test_a_gguf_file_is_a_local_model():
     assert (info.layers, info.q_heads, info.kv_heads, info.head_dim) == (ref.layers, ref.q_heads, ref.kv_heads,
                                                                          ref.head_dim)
     assert info.path == str(gguf.resolve()) and info.name.startswith("SmolLM2-135M-Instruct.Q4_1-")
+
+
+@settings(max_examples=40, deadline=None)
+@given(name=st.text(st.characters(blacklist_categories=("Cs", "Cc"), blacklist_characters="/\\\x00"), min_size=1,
+                    max_size=40).filter(lambda x: x not in (".", "..")))
+def test_slug_is_a_folder_name_for_any_model_folder(tmp_path_factory, name):
+    """Any folder name (spaces, accents, dots, symbols): the slug is made of [A-Za-z0-9._-], ends in 8 hex
+    digits of the path's hash, and is the same however the path is spelled."""
+    folder = tmp_path_factory.mktemp("m") / name
+    try:
+        folder.mkdir()
+    except OSError:  # a name the file system refuses (too long in bytes)
+        return
+    (folder / "config.json").write_text("{}")
+    s = models.slug(str(folder))
+    assert re.fullmatch(r"[A-Za-z0-9._-]+-[0-9a-f]{8}", s) and not s.startswith(("-", "."))
+    assert models.slug(str(folder) + "/") == s == models.slug(str(folder.parent / "." / name))
 
 
 def test_model_argument_names_what_it_takes(capsys):
