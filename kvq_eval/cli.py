@@ -121,9 +121,10 @@ def grid_kwargs(args) -> dict:
 
 
 def _dry_run(kw: dict, calib_tokens: int) -> int:
-    """Print what a run would compute: its cells, how many are stored, and the missing (task, entry)
-    pairs with their counts (a needle sample counts once per entry it lacks). Computes nothing."""
-    from .grid import _check_calib_tokens, _missing, plan
+    """Print what a run would compute: its cells, how many are stored, the missing (task, entry) pairs
+    with their counts (a needle sample counts once per entry it lacks) and ``grid.estimate_seconds``.
+    Computes nothing."""
+    from .grid import _check_calib_tokens, _missing, estimate_seconds, plan
 
     _check_calib_tokens(calib_tokens)
     units = plan(**kw)
@@ -139,6 +140,13 @@ def _dry_run(kw: dict, calib_tokens: int) -> int:
     print(f"{kw['model']}: {len(units)} cell(s) planned, {len(units) - todo} complete, {todo} missing an entry")
     for (task, entry), n in sorted(missing.items()):
         print(f"  missing  {task:<24} {entry:<36} {n}")
+    seconds, unknown = estimate_seconds(units, calib_tokens) if todo else (0.0, 0)
+    if todo and not seconds:
+        print("  no time estimate: no cell of these kinds in this folder has a recorded time yet")
+    elif todo:
+        print(f"  about {seconds / 3600:.1f} hours at the speeds this folder's cells recorded (median wall time per "
+              f"perplexity window, needle entry and layers cell)" + (f"; {unknown} cell(s) of a kind with no "
+                                                                     f"record yet not counted" if unknown else ""))
     return 0
 
 
@@ -356,7 +364,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--reuse-only", action="store_true",
                    help="with --reuse: copy what the older folder holds and compute nothing")
     r.add_argument("--dry-run", action="store_true",
-                   help="compute nothing: list the grid's missing (task, entry) pairs and how many cells lack each")
+                   help="compute nothing: list the grid's missing (task, entry) pairs, how many cells lack each, and "
+                   "the hours they need at the speeds the folder's cells recorded")
     r.set_defaults(func=_cmd_run)
     q = sub.add_parser("plot", help="quality-vs-stored-bits chart from the JSON")
     q.add_argument("results", help="results folder (the --out of run)")

@@ -198,6 +198,44 @@ def plan(model: str, methods, out, contexts=(1024,), tasks=("ppl", "niah"), vari
     return units
 
 
+def estimate_seconds(units: list[dict], calib_tokens: int) -> tuple[float, int]:
+    """(seconds, units without an estimate) of what ``units`` still need, at the speeds the folder's
+    own cells recorded: per perplexity window of each length, per needle entry at each context, per
+    layers cell (the median over every stored record of that kind, partial cells included). A kind
+    with no record yet counts its units as unestimated. The machine and its load are those of the
+    recorded runs: an estimate, for planning, not a benchmark."""
+    import statistics
+
+    records: dict[tuple, list[float]] = {}
+    need_of = []
+    for u in units:
+        need = _missing(u, calib_tokens)
+        stored = _read(u["path"])
+        if u["task"] == "ppl":
+            kind = ("ppl", u["tokens"])
+            partial = _read(_partial_path(u)) if stored is None else None
+            rows = (stored or {}).get("windows") or (partial or {}).get("rows") or []
+            records.setdefault(kind, []).extend(r["seconds"] for r in rows if "seconds" in r)
+            need_of.append((kind, (u["windows"] - len(rows)) if need else 0))
+        elif u["task"] == "niah":
+            kind = ("niah", u["cell"][1])
+            have = (stored or {}).get("results", {})
+            records.setdefault(kind, []).extend(r["seconds"] for r in have.values() if "seconds" in r)
+            need_of.append((kind, len(need)))
+        else:
+            kind = (u["task"],)
+            if stored is not None and "wall_seconds" in stored:
+                records.setdefault(kind, []).append(stored["wall_seconds"])
+            need_of.append((kind, 1 if need else 0))
+    total, unknown = 0.0, 0
+    for kind, n in need_of:
+        if n and records.get(kind):
+            total += n * statistics.median(records[kind])
+        elif n:
+            unknown += 1
+    return total, unknown
+
+
 def _partial_path(unit: dict) -> Path:
     """Where a perplexity cell keeps its finished windows until the cell is complete (not ``*.json``:
     tables never read it)."""

@@ -135,3 +135,30 @@ def test_two_runs_filling_one_needle_cell_lose_no_entry(tmp_path):
     got = json.loads(path.read_text())["results"]
     assert sorted(got) == sorted(f"{t}{i}@none" for t in "ab" for i in range(400))
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+
+
+def test_estimate_seconds_uses_the_folders_recorded_speeds(tmp_path):
+    """The dry run's estimate: missing perplexity windows x the median recorded window time (complete
+    and partial cells), missing needle entries x the median entry time, missing layers cells x the
+    median cell time; a kind without any record is counted apart."""
+    import json
+
+    from kvq_eval.grid import _partial_path, estimate_seconds, plan
+
+    units = plan("smollm2", ["tq_mse4", "tq_mse3"], tmp_path, contexts=(1024,), tasks=("ppl", "niah", "layers"),
+                 variants=("single",), depths=(0.5,), samples=2, ppl_windows=((1024, 4),))
+    by = {(u["task"], u.get("entry"), u.get("cell")): u for u in units}
+    assert estimate_seconds(units, 1024) == (0.0, len(units))  # nothing recorded yet
+
+    def put(path, obj):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(obj))
+
+    put(by["ppl", "tq_mse4@none", None]["path"], {"windows": [{"seconds": 10.0}] * 4})
+    put(_partial_path(by["ppl", "tq_mse3@none", None]), {"rows": [{"seconds": 30.0}]})  # 3 windows to go
+    niah = [u for u in units if u["task"] == "niah"]
+    put(niah[0]["path"], {"results": {"fp32": {"seconds": 2.0}, "tq_mse4@none": {"seconds": 4.0}}})
+    put(by["layers", "tq_mse4@none", None]["path"], {"wall_seconds": 7.0})
+    # ppl: 3 windows x median(10, 10, 10, 10, 30) = 30; needles: (1 + 3) entries x median(2, 4) = 12;
+    # layers: 1 cell x 7
+    assert estimate_seconds(units, 1024) == (49.0, 0)

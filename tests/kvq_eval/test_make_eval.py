@@ -86,7 +86,8 @@ def test_dry_run_lists_what_is_missing_and_writes_nothing(tmp_path, capsys):
     assert main(args) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "smollm2: 6 cell(s) planned, 1 complete, 5 missing an entry"
-    rows = {tuple(line.split()[1:]) for line in out[1:]}
+    assert out[-1] == "  no time estimate: no cell of these kinds in this folder has a recorded time yet"
+    rows = {tuple(line.split()[1:]) for line in out[1:-1]}
     assert rows == {("ppl", "1024x8", "tq_mse3@64,256", "1"), ("ppl", "1024x8", "nova@none", "1"),
                     ("ppl", "1024x8", "nova@64,256", "1"),
                     ("niah", "single", "1024", "fp32", "1"), ("niah", "single", "1024", "tq_mse3@none", "1"),
