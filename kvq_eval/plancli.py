@@ -46,12 +46,26 @@ def _work(args) -> Path:
 def _dry_run(cfg, work) -> int:
     from .sensitivity import layer_units, read_cell
 
+    import statistics
+
     units = layer_units(cfg.model, work, cfg.band, cfg.measured, cfg.context, cfg.calib_windows, cfg.stride)
-    missing = sum(read_cell(u) is None for u in units)
-    print(f"{cfg.model}: {len(units)} sensitivity cells ({missing} missing), then at most {cfg.rounds} validation "
+    cells = [(u, read_cell(u)) for u in units]
+    missing = [u for u, c in cells if c is None]
+    print(f"{cfg.model}: {len(units)} sensitivity cells ({len(missing)} missing), then at most {cfg.rounds} validation "
           f"round(s) of {cfg.valid_windows} windows" + (f" and {cfg.calib_windows} model-check windows"
                                                           if cfg.check_model else "")
           + f" of {cfg.context} tokens")
+    # a layer cell runs the layers from its own on, so its time falls with the layer: the median of the
+    # stored cells of that layer, else of all stored cells
+    done: dict = {}
+    for u, c in cells:
+        if c is not None and "seconds" in c:
+            done.setdefault(u["layer"], []).append(c["seconds"])
+    if missing and done:
+        every = statistics.median([s for v in done.values() for s in v])
+        hours = sum(statistics.median(done[u["layer"]]) if u["layer"] in done else every for u in missing) / 3600
+        print(f"  the missing sensitivity cells: about {hours:.1f} hours at the speeds the stored ones recorded "
+              f"(median wall time per layer)")
     return 0
 
 

@@ -193,3 +193,28 @@ def test_budget_correction_scales_and_brackets():
     # missed at tau, met at tau/2 with room: the ratio step (tau) would leave the bracket -> its middle
     got = _next_budget([rnd(tau, 1.5 * tau), rnd(tau / 2, 0.5 * tau)], tau)
     assert got == pytest.approx(math.sqrt(tau * tau / 2))
+
+
+@pytest.mark.model
+def test_dry_run_counts_and_times_the_missing_cells(tmp_path, capsys):
+    """``kvq-plan search --dry-run`` computes nothing; it counts the missing sensitivity cells and
+    estimates their time from the stored ones, per layer (a cell's cost falls with its layer)."""
+    from kvq_eval.grid import _write
+    from kvq_eval.plancli import main
+    from kvq_eval.sensitivity import _key, layer_units
+
+    work = tmp_path / "w"
+    units = layer_units("smollm2", work, (0, 8), ("tq_mse2", "tq_mse4"), 32, 1, 1)
+    layer0 = [u for u in units if u["layer"] == 0]
+    for u, sec in zip(layer0, (10.0, 20.0, 30.0, 40.0)):
+        _write(u["path"], {**_key(u), "seconds": sec})
+    one = next(u for u in units if u["layer"] == 1)
+    _write(one["path"], {**_key(one), "seconds": 8.0})
+    before = sorted(work.rglob("*"))
+    assert main(["search", "--model", "smollm2", "--target", "1", "--band", "0,8", "--candidates", "tq_mse2,tq_mse4",
+                 "--context", "32", "--calib-windows", "1", "--work", str(work), "--out", str(tmp_path / "p.json"),
+                 "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "120 sensitivity cells (115 missing)" in out
+    # layer 1: 3 x 8 s; layers 2-29: 112 x median(10, 20, 30, 40, 8) = 20 s; 2264 s
+    assert "about 0.6 hours" in out and sorted(work.rglob("*")) == before
