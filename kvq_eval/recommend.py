@@ -80,7 +80,8 @@ def recommend_table(res: dict, targets=TARGETS, tokens: int = 8192, contexts=(40
         label = "none" if r["band"] == "none" else "allowed"
         if r["entry"] is None:
             n = r["candidates"]  # said with its count: a grid still filling must not read as "nothing can"
-            why = f"none of {n} entries with {_ctx(tokens)} cells meets it" if n else f"no {_ctx(tokens)} cell yet"
+            why = (f"none of {n} entries with {_ctx(tokens)} cells meets it" if n > 1 else
+                   f"the one entry with {_ctx(tokens)} cells does not meet it" if n else f"no {_ctx(tokens)} cell yet")
             cells = [f"≤ {r['target']:g} %", label, why, "–", "–"] + ["–", "–"] * len(contexts)
         else:
             cells = [f"≤ {r['target']:g} %", label, r["entry"], f"{r['bits']:.2f}",

@@ -87,6 +87,12 @@ def test_recommend_table_says_how_many_cells_missed_the_target(folder):
     table = recommend_table(res, (0.01,))
     assert n["none"] > 0 and f"| ≤ 0.01 % | none | none of {n['none']} entries with 8K cells meets it |" in table
     assert "| ≤ 1 % | none | no 1K cell yet |" in recommend_table(res, (1.0,), tokens=1024)
+    # one entry with 8K cells: said in the singular
+    from kvq_eval.plot import ppl_summary
+
+    one = next(e for e, by in ppl_summary(res).items() if (by.get(8192) or {}).get("ci") and e != "fp32")
+    single = load_results(folder, "smollm2", entries=["fp32", one])
+    assert "| ≤ 0.01 % | allowed | the one entry with 8K cells does not meet it |" in recommend_table(single, (0.01,))
 
 
 MARKED = """# A page
