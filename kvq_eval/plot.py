@@ -9,7 +9,6 @@ windows both hold (paired t interval, paired t and exact sign-flip p-values).
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 

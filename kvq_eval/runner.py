@@ -42,7 +42,6 @@ import os
 import time
 import warnings
 from types import SimpleNamespace
-from pathlib import Path
 
 import numpy as np
 
