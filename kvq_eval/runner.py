@@ -104,6 +104,23 @@ def _window_stats(ref, out, target, chunk: int = 512, head=None, ref_logits: boo
             "kl_bins": [float(k[b].mean()) for b in bins]}
 
 
+def _check_attention_hooked(model, info, name: str) -> None:
+    """``ValueError`` unless every decoder layer's attention reaches the ``kvq`` attention function.
+
+    transformers only warns when a model cannot take a registered attention implementation (its
+    layers do not go through the AttentionInterface) and keeps its own attention: every "quantized"
+    run would then silently be the fp32 one. A 4-token forward in capture mode counts the layers
+    whose attention the function saw.
+    """
+    import torch
+
+    with session("capture") as s:
+        model(torch.arange(4).unsqueeze(0))
+    if len(s.captured) != info.layers:
+        raise ValueError(f"model {name!r}: kvq-eval saw the attention of {len(s.captured)} of its {info.layers} layers; "
+                         f"it needs a model whose attention goes through transformers' AttentionInterface")
+
+
 class Evaluator:
     """A loaded model with its calibration, running the tasks for any method and band.
 
@@ -126,11 +143,8 @@ class Evaluator:
         self.calib_tokens = calib_tokens
         self.model, self.tok, self.info = load_model(model_name)
         register()
-        try:
-            self.model.set_attn_implementation("kvq")
-        except (ValueError, NotImplementedError) as exc:  # a model whose attention ignores the interface
-            raise ValueError(f"model {model_name!r} does not route its attention through transformers' "
-                             f"AttentionInterface, which kvq-eval hooks ({exc})") from None
+        self.model.set_attn_implementation("kvq")
+        _check_attention_hooked(self.model, self.info, model_name)
         self.tables = (calibration_tables(self.model, self.tok, model_name, length=calib_tokens)
                        if calibrate else None)
         self._rates: dict = {}

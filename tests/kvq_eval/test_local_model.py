@@ -122,13 +122,12 @@ def test_kvq_eval_and_kvq_plan_on_a_local_model(tiny, tmp_path, capsys):
     assert eval_main(["run", "--model", str(tiny), "--methods", "tq_mse4,nova", "--band", "none", "--tasks", "ppl",
                       "--ppl-windows", "32x2", "--calib-tokens", "256", "--out", str(res)]) == 0
     capsys.readouterr()
-    for method in ("tq_mse4", "nova"):
-        cell = json.loads((res / name / "ppl" / f"{method}__none__T32x2.json").read_text())
-        assert len(cell["windows"]) == 2 and all(math.isfinite(w["nll_q"]) for w in cell["windows"])
+    cells = {m: json.loads((res / name / "ppl" / f"{m}__none__T32x2.json").read_text()) for m in ("tq_mse4", "nova")}
+    for cell in cells.values():  # finite, and quantized (not silently the fp32 forward)
+        assert len(cell["windows"]) == 2 and all(math.isfinite(w["nll_q"]) and w["kl"] > 0 for w in cell["windows"])
     assert any(p.name.startswith(name) for p in (models.cache_dir() / "calibration").iterdir())
     # d = 32: codes and a 16-bit norm per vector, 4 + 16/32 bits
-    assert cell["bits_per_element"] > 0 and json.loads(
-        (res / name / "ppl" / "tq_mse4__none__T32x2.json").read_text())["bits_per_element"] == 4.5
+    assert cells["tq_mse4"]["bits_per_element"] == 4.5
     # the plan search and its evaluation
     out = tmp_path / "plan.json"
     rc = plan_main(["search", "--model", str(tiny), "--target", "50", "--band", "0,8", "--candidates", "tq_mse2,tq_mse4",
@@ -149,3 +148,23 @@ def test_kvq_eval_and_kvq_plan_on_a_local_model(tiny, tmp_path, capsys):
     assert eval_main(["run", "--model", str(tiny), "--plan", str(out), "--tasks", "ppl", "--ppl-windows", "32x2",
                       "--out", str(res)]) == 0
     assert any(p.name.startswith("plan_") for p in (res / name / "ppl").iterdir())
+
+
+def test_a_model_whose_attention_ignores_the_interface_is_refused(monkeypatch):
+    """transformers only warns when a model cannot take a registered attention implementation and keeps
+    its own attention, so every quantized run would silently be fp32: the Evaluator checks that each
+    layer's attention reaches kvq-eval's function, and refuses the model otherwise."""
+    import torch
+
+    from kvq_eval import runner
+
+    class Legacy(torch.nn.Module):  # its own attention: the kvq function never sees a layer
+        def set_attn_implementation(self, name):
+            pass
+
+        def forward(self, ids):
+            return ids.float()
+
+    monkeypatch.setattr(runner, "load_model", lambda name: (Legacy(), None, models.MODELS["smollm2"]))
+    with pytest.raises(ValueError, match="saw the attention of 0 of its 30 layers"):
+        runner.Evaluator("smollm2", calibrate=False)
