@@ -429,19 +429,25 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Console entry point."""
+def run_main(prog: str, parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
+    """Parse ``argv`` and run its subcommand; bad input ends as one ``prog CMD: error: ...`` line
+    and exit status 2 (the console entry points of ``kvq-eval`` and ``kvq-plan``)."""
     # OpenMP threads that sleep at once when idle: a decode step alternates torch's and Numba's
     # thread pools with numpy on 2 cores, and spinning pools made a SmolLM2 step at 8K tokens
     # about 2x slower. Read when the runtime loads, so only before torch is first imported here.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    args = _parser().parse_args(argv)
+    args = parser.parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else list(argv)  # what runs.jsonl records
     try:
         return args.func(args)
     except (ValueError, TypeError, FileNotFoundError) as exc:
-        print(f"kvq-eval {args.cmd}: error: {exc}", file=sys.stderr)
+        print(f"{prog} {args.cmd}: error: {exc}", file=sys.stderr)
         return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point."""
+    return run_main("kvq-eval", _parser(), argv)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -12,14 +12,13 @@ kvq-plan plot results/plan/smollm2/study.json -o results/plan/smollm2/study
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
 from codebooks.build import parse_float_list
 
 from .band import parse_band
-from .cli import MODEL_HELP, model_arg
+from .cli import MODEL_HELP, model_arg, run_main
 
 
 def _band(text: str) -> tuple[int, int]:
@@ -180,13 +179,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Console entry point."""
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as kvq-eval (cli.main)
-    args = _parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except (ValueError, TypeError, FileNotFoundError) as exc:
-        print(f"kvq-plan {args.cmd}: error: {exc}", file=sys.stderr)
-        return 2
+    return run_main("kvq-plan", _parser(), argv)
 
 
 if __name__ == "__main__":  # pragma: no cover
