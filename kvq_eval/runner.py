@@ -85,7 +85,7 @@ def _window_stats(ref, out, target, chunk: int = 512, head=None, ref_logits: boo
 
     The float64 work runs ``_STATS_ROWS`` positions at a time in buffers allocated once: every
     operation is row-wise, so the numbers are bit for bit those of whole chunks, which allocated
-    (and page-faulted) seven 1 GB arrays per 512 Gemma positions and took 4x longer
+    (and page-faulted) seven 1 GB arrays per 512 Gemma positions and took 3.4x longer
     (``tests/kvq_eval/test_protocol.py`` checks the equality against the direct formulas). One
     exception to "row-wise", handled by ``_row_pieces``: torch sums a lone row of more than 32768
     elements in per-thread parts, in another order than the same row among others.
