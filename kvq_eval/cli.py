@@ -145,8 +145,8 @@ def _dry_run(kw: dict, calib_tokens: int) -> int:
         print("  no time estimate: no cell of these kinds in this folder has a recorded time yet")
     elif todo:
         print(f"  about {seconds / 3600:.1f} hours at the speeds this folder's cells recorded (median wall time per "
-              f"perplexity window, needle entry and layers cell)" + (f"; {unknown} cell(s) of a kind with no "
-                                                                     f"record yet not counted" if unknown else ""))
+              f"perplexity window, needle entry and layers cell, of the same method where it has one)"
+              + (f"; {unknown} cell(s) of a kind with no record yet not counted" if unknown else ""))
     return 0
 
 

@@ -201,39 +201,47 @@ def plan(model: str, methods, out, contexts=(1024,), tasks=("ppl", "niah"), vari
 def estimate_seconds(units: list[dict], calib_tokens: int) -> tuple[float, int]:
     """(seconds, units without an estimate) of what ``units`` still need, at the speeds the folder's
     own cells recorded: per perplexity window of each length, per needle entry at each context, per
-    layers cell (the median over every stored record of that kind, partial cells included). A kind
-    with no record yet counts its units as unestimated. The machine and its load are those of the
-    recorded runs: an estimate, for planning, not a benchmark."""
+    layers cell. Each is the median over the stored records of that kind for the same method
+    (NOVA-KV's needle entries take 3-6x TurboQuantMSE's), or of every method where that method has
+    none yet, partial cells included. A kind with no record at all counts its units as unestimated.
+    The machine and its load are those of the recorded runs: an estimate, for planning, not a
+    benchmark."""
     import statistics
 
     records: dict[tuple, list[float]] = {}
-    need_of = []
-    for u in units:
+
+    def record(kind, method, seconds):
+        for key in (kind, (*kind, method)):
+            records.setdefault(key, []).extend(seconds)
+
+    need_of = []  # (unit index, kind, method, count)
+    for i, u in enumerate(units):
         need = _missing(u, calib_tokens)
         stored = _read(u["path"])
         if u["task"] == "ppl":
-            kind = ("ppl", u["tokens"])
+            kind, method = ("ppl", u["tokens"]), parse_entry(u["entry"])[0]
             partial = _read(_partial_path(u)) if stored is None else None
             rows = (stored or {}).get("windows") or (partial or {}).get("rows") or []
-            records.setdefault(kind, []).extend(r["seconds"] for r in rows if "seconds" in r)
-            need_of.append((kind, (u["windows"] - len(rows)) if need else 0))
+            record(kind, method, [r["seconds"] for r in rows if "seconds" in r])
+            need_of.append((i, kind, method, (u["windows"] - len(rows)) if need else 0))
         elif u["task"] == "niah":
             kind = ("niah", u["cell"][1])
-            have = (stored or {}).get("results", {})
-            records.setdefault(kind, []).extend(r["seconds"] for r in have.values() if "seconds" in r)
-            need_of.append((kind, len(need)))
+            for name, r in (stored or {}).get("results", {}).items():
+                record(kind, parse_entry(name)[0], [r["seconds"]] if "seconds" in r else [])
+            need_of.extend((i, kind, parse_entry(e)[0], 1) for e in need)
         else:
-            kind = (u["task"],)
+            kind, method = (u["task"],), parse_entry(u["entry"])[0]
             if stored is not None and "wall_seconds" in stored:
-                records.setdefault(kind, []).append(stored["wall_seconds"])
-            need_of.append((kind, 1 if need else 0))
-    total, unknown = 0.0, 0
-    for kind, n in need_of:
-        if n and records.get(kind):
-            total += n * statistics.median(records[kind])
+                record(kind, method, [stored["wall_seconds"]])
+            need_of.append((i, kind, method, 1 if need else 0))
+    total, unknown = 0.0, set()
+    for i, kind, method, n in need_of:
+        known = records.get((*kind, method)) or records.get(kind)
+        if n and known:
+            total += n * statistics.median(known)
         elif n:
-            unknown += 1
-    return total, unknown
+            unknown.add(i)
+    return total, len(unknown)
 
 
 def _partial_path(unit: dict) -> Path:

@@ -140,7 +140,8 @@ def test_two_runs_filling_one_needle_cell_lose_no_entry(tmp_path):
 def test_estimate_seconds_uses_the_folders_recorded_speeds(tmp_path):
     """The dry run's estimate: missing perplexity windows x the median recorded window time (complete
     and partial cells), missing needle entries x the median entry time, missing layers cells x the
-    median cell time; a kind without any record is counted apart."""
+    median cell time, each of the same method where it has records, else of every method; a kind
+    without any record is counted apart."""
     import json
 
     from kvq_eval.grid import _partial_path, estimate_seconds, plan
@@ -159,6 +160,11 @@ def test_estimate_seconds_uses_the_folders_recorded_speeds(tmp_path):
     niah = [u for u in units if u["task"] == "niah"]
     put(niah[0]["path"], {"results": {"fp32": {"seconds": 2.0}, "tq_mse4@none": {"seconds": 4.0}}})
     put(by["layers", "tq_mse4@none", None]["path"], {"wall_seconds": 7.0})
-    # ppl: 3 windows x median(10, 10, 10, 10, 30) = 30; needles: (1 + 3) entries x median(2, 4) = 12;
-    # layers: 1 cell x 7
-    assert estimate_seconds(units, 1024) == (49.0, 0)
+    # ppl: tq_mse3's own record, 3 windows x 30 = 90; needles: tq_mse3 has none, so it takes every
+    # method's median(2, 4) = 3 in both cells, and the second cell's fp32 and tq_mse4 their own 2 and
+    # 4: 3 + 3 + 2 + 4 = 12; layers: tq_mse3 takes tq_mse4's 7
+    assert estimate_seconds(units, 1024) == (109.0, 0)
+    put(niah[0]["path"], {"results": {"fp32": {"seconds": 2.0}, "tq_mse4@none": {"seconds": 4.0},
+                                      "tq_mse3@none": {"seconds": 40.0}}})
+    # the first cell is complete; the second needs fp32 (2), tq_mse4 (4) and tq_mse3 (its own 40)
+    assert estimate_seconds(units, 1024) == (90.0 + 46.0 + 7.0, 0)
