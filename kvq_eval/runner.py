@@ -85,8 +85,9 @@ def _window_stats(ref, out, target, chunk: int = 512, head=None, ref_logits: boo
 
     The float64 work runs ``_STATS_ROWS`` positions at a time in buffers allocated once: every
     operation is row-wise, so the numbers are bit for bit those of whole chunks, which allocated
-    (and page-faulted) seven 1 GB arrays per 512 Gemma positions and took 3.4x longer
-    (``tests/kvq_eval/test_protocol.py`` checks the equality against the direct formulas). One
+    (and page-faulted) seven 1 GB arrays per 512 Gemma positions and took 3.3x longer
+    (``_window_stats_direct``, which ``tests/kvq_eval/test_protocol.py`` checks the equality against
+    and ``benchmarks/eval_stats.py`` times beside this). One
     exception to "row-wise", handled by ``_row_pieces``: torch sums a lone row of more than 32768
     elements in per-thread parts, in another order than the same row among others.
     """
@@ -116,10 +117,34 @@ def _window_stats(ref, out, target, chunk: int = 512, head=None, ref_logits: boo
             torch.exp(lp, out=w)
             torch.mul(w, torch.sub(lp, lq, out=lq), out=w)
             kl.append(w.sum(-1))
+    return _summary(nf, nq, kl, top1)
+
+
+def _window_stats_direct(ref, out, target, chunk: int = 512) -> dict:
+    """What ``_window_stats`` computes from logits, written straight from the definitions in whole
+    ``chunk``-position float64 arrays: the form it must equal bit for bit (tested, and benchmarked
+    against in ``benchmarks/eval_stats.py``)."""
+    import torch
+
+    nf, nq, kl, top1 = [], [], [], 0
+    for lo in range(0, target.numel(), chunk):
+        r, o, tg = ref[lo:lo + chunk].double(), out[lo:lo + chunk].double(), target[lo:lo + chunk]
+        lp, lq = torch.log_softmax(r, -1), torch.log_softmax(o, -1)
+        nf.append(-lp.gather(1, tg[:, None])[:, 0])
+        nq.append(-lq.gather(1, tg[:, None])[:, 0])
+        kl.append((lp.exp() * (lp - lq)).sum(-1))
+        top1 += int((o.argmax(-1) == r.argmax(-1)).sum())
+    return _summary(nf, nq, kl, top1)
+
+
+def _summary(nf: list, nq: list, kl: list, top1: int) -> dict:
+    """The window record from per-position float64 NLLs and KLs (lists of chunks) and the top-1 count."""
+    import torch
+
     nf, nq, kl = (torch.cat(x) for x in (nf, nq, kl))
     d, k = (nq - nf).numpy(), kl.numpy()
     bins = np.array_split(np.arange(d.size), POSITION_BINS)
-    return {"n": int(target.numel()), "nll_q": float(nq.sum()), "nll_f": float(nf.sum()), "kl": float(kl.sum()),
+    return {"n": int(d.size), "nll_q": float(nq.sum()), "nll_f": float(nf.sum()), "kl": float(kl.sum()),
             "top1": top1, "dnll_bins": [float(d[b].mean()) for b in bins],
             "kl_bins": [float(k[b].mean()) for b in bins]}
 

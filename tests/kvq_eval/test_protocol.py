@@ -271,29 +271,13 @@ def test_window_stats_against_direct_formulas():
     assert same["kl"] == 0.0 and same["top1"] == 40 and same["nll_q"] == same["nll_f"]
 
 
-def _direct_window_stats(ref, out, target, chunk):
-    """The statistics as whole-chunk float64 tensors, written straight from their definitions:
-    what ``_window_stats``'s buffered rows must equal bit for bit."""
-    import torch
-
-    nf, nq, kl, top1 = [], [], [], 0
-    for lo in range(0, target.numel(), chunk):
-        r, o, tg = ref[lo:lo + chunk].double(), out[lo:lo + chunk].double(), target[lo:lo + chunk]
-        lp, lq = torch.log_softmax(r, -1), torch.log_softmax(o, -1)
-        nf.append(-lp.gather(1, tg[:, None])[:, 0])
-        nq.append(-lq.gather(1, tg[:, None])[:, 0])
-        kl.append((lp.exp() * (lp - lq)).sum(-1))
-        top1 += int((o.argmax(-1) == r.argmax(-1)).sum())
-    return torch.cat(nf), torch.cat(nq), torch.cat(kl), top1
-
-
 @given(st.integers(16, 80), st.sampled_from([7, 64, 512]), st.sampled_from([3, 32]), st.sampled_from([5, 2053, 40009]),
        st.integers(0, 2**31))
 @example(20, 7, 3, 40009, 1)  # 7-row chunks in pieces of 3, 3 and a lone row of 40009 logits
 @settings(max_examples=40, deadline=None)
 def test_window_stats_buffered_rows_equal_whole_chunks_bit_for_bit(n, chunk, rows, vocab, seed):
-    """``_window_stats`` runs its float64 work a few positions at a time in reused buffers (3.4x
-    faster on an 8K Gemma window); every operation is row-wise, so each sum is the whole chunk's
+    """``_window_stats`` runs its float64 work a few positions at a time in reused buffers (3.3x
+    faster on Gemma's vocabulary, benchmarks/results/eval_stats.json); every operation is row-wise, so each sum is the whole chunk's
     bit for bit, for any row count, chunk, vocabulary size (odd, past the vector width, and past
     torch's 32768-element grain, where a lone row would be summed in per-thread parts: two threads
     here, as the evaluation runs) and float32 logits."""
@@ -310,14 +294,11 @@ def test_window_stats_buffered_rows_equal_whole_chunks_bit_for_bit(n, chunk, row
     old, runner._STATS_ROWS = runner._STATS_ROWS, rows
     try:
         s = runner._window_stats(ref, out, target, chunk=chunk)
-        nf, nq, kl, top1 = _direct_window_stats(ref, out, target, chunk)
+        direct = runner._window_stats_direct(ref, out, target, chunk=chunk)
     finally:
         runner._STATS_ROWS = old
         torch.set_num_threads(threads)
-    assert (s["nll_f"], s["nll_q"], s["kl"], s["top1"]) == (float(nf.sum()), float(nq.sum()), float(kl.sum()), top1)
-    d, k = (nq - nf).numpy(), kl.numpy()
-    bins = np.array_split(np.arange(n), runner.POSITION_BINS)
-    assert s["dnll_bins"] == [float(d[b].mean()) for b in bins] and s["kl_bins"] == [float(k[b].mean()) for b in bins]
+    assert s == direct  # every float exactly: tolerance 0
 
 
 def test_study_methods_in_the_registry():
