@@ -6,13 +6,15 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.numpy import save_file
 
 from codebooks import TableFileError
 from codebooks.cli import main as codebooks_main
 from codebooks.nova import NovaModel, calibrate
 from kvq_ref import Encoded, QuantizedKV, TurboQuantMSE, attention_decode
-from kvq_ref.nova import NovaKV, Oscar
+from kvq_ref.nova import NovaKV, Oscar, nearest_centroids
 from tests.nova_data import generator, sequence
 
 D = 32
@@ -219,3 +221,33 @@ def test_release_values_are_oscar_int2_on_the_k_sigma_k_weighted_statistic(calib
         NovaKV(m.head(0, 0), "value", values="int4")
     with pytest.raises(ValueError, match="role must be 'value'"):
         Oscar(m.head(0, 0), "key", rotation="nova")
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 300), g=st.integers(1, 8), k_log2=st.integers(1, 8), n_groups=st.integers(1, 5),
+       seed=st.integers(0, 2**32 - 1), ties=st.booleans())
+def test_nearest_centroids_is_the_first_argmin_of_the_summed_squares(n, g, k_log2, n_groups, seed, ties):
+    """The numba kernel against numpy: distances summed over the group's coordinates in order from
+    0.0 (numpy sums fewer than 8 terms one after the other; ``bits * g <= 8`` keeps g <= 8, hence
+    the explicit loop here), the first smallest index. Exact ties are forced with duplicated
+    centroids and shapes sitting on a centroid, and shapes on the float32 grid of the centroids
+    make many distances equal."""
+    rng = np.random.default_rng(seed)
+    k = 2**k_log2
+    d = g * n_groups
+    groups = rng.permutation(d).reshape(n_groups, g).astype(np.int64)
+    centroids = rng.standard_normal((n_groups, k, g)).astype(np.float32).astype(np.float64)
+    shapes = rng.standard_normal((n, d))
+    if ties:
+        centroids[:, k // 2] = centroids[:, 0]  # the same point twice: index 0 must win
+        for r in range(0, n, 3):  # rows exactly on a centroid of each group
+            for j in range(n_groups):
+                shapes[r, groups[j]] = centroids[j, rng.integers(k)]
+        shapes[1::5] = np.round(shapes[1::5])
+    out = np.empty((n, n_groups), dtype=np.uint8)
+    nearest_centroids(shapes, groups, centroids, out)
+    for j in range(n_groups):
+        dist = np.zeros((n, k))
+        for t in range(g):
+            dist += (shapes[:, groups[j, t], None] - centroids[None, j, :, t]) ** 2
+        np.testing.assert_array_equal(out[:, j], np.argmin(dist, axis=1))
