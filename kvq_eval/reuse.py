@@ -1,8 +1,12 @@
 """Reuse of stored cells from an older results folder (``kvq-eval run --reuse OLD``).
 
 A cell of the current protocol that an older folder already holds, computed on the same inputs by
-the same simulation, need not be computed again: its numbers would come out the same (``tests/
-kvq_eval/test_reproduce.py`` recomputes reused cells and compares them). What may be reused:
+the same simulation, need not be computed again. In the environment that made it, its numbers
+would come out bit for bit the same (``tests/kvq_eval/test_reproduce.py`` checks this on a committed
+cell). In another one (v2's cells were made on another machine and record no environment), the
+forward's last bits differ and a quantizer can turn them into other codes, so a reused entry is a
+draw from the same distribution, not the same draw (docs/evaluation.md, reproducibility). What may
+be reused:
 
 * needle entries of a sample the generator still makes identically (same keys, values, haystack
   offset and prompt length);

@@ -9,6 +9,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import kvq_eval.hooks as hooks
 from kvq_eval.band import Band
@@ -142,3 +144,20 @@ def test_partial_attention_kernels_agree_and_empty_rows_are_neutral(causal):
         assert torch.allclose(merged[:, 7], other[0][:, 7], rtol=0, atol=1e-12)
         full = hooks._dense_lse(q, k, v, 0.3)[0]
         assert torch.allclose(merged, full, rtol=0, atol=1e-12)
+
+
+@settings(max_examples=80, deadline=None)
+@given(rows=st.integers(1, 40), cols=st.integers(1, 300), seed=st.integers(0, 2**32 - 1),
+       scale=st.sampled_from([1.0, 30.0, 1e3]), masked=st.floats(0.0, 0.95))
+def test_masked_softmax_in_place_is_bitwise_the_definition(rows, cols, seed, scale, masked):
+    """``QuantizedCache.attend``'s in-place softmax gives the bits of the expression it replaced,
+    ``_softmax(np.where(ok, z * scaling, -inf))``: the same elementwise operations and row
+    reductions, so equality is exact (no tolerance). Every row keeps at least one allowed column,
+    as a query always sees itself."""
+    rng = np.random.default_rng(seed)
+    z = rng.standard_normal((rows, cols)) * scale
+    ok = rng.random((rows, cols)) >= masked
+    ok[np.arange(rows), rng.integers(0, cols, rows)] = True
+    want = hooks._softmax(np.where(ok, z * 0.125, -np.inf))
+    got = hooks._masked_softmax(z.copy(), ok, 0.125)
+    assert got.dtype == want.dtype and np.array_equal(got, want)
