@@ -32,6 +32,8 @@ import numpy as np
 import torch
 
 from kvq_ref.common import Encoded, Quantizer
+from kvq_ref.fast import decode_fast, encode_fast
+from kvq_ref.turboquant import TurboQuantMSE
 
 from .band import band_mask, n_encoded, token_group
 from .methods import MethodSpec
@@ -121,6 +123,22 @@ def _masked_softmax(z: np.ndarray, ok: np.ndarray, scaling: float) -> np.ndarray
     np.exp(z, out=z)
     z /= z.sum(axis=-1, keepdims=True)
     return z
+
+
+def _fused(q: Quantizer) -> bool:
+    return type(q) is TurboQuantMSE and q.rotation == "hadamard"
+
+
+def _encode(q: Quantizer, x: np.ndarray) -> Encoded:
+    """``q.encode(x)``; TurboQuantMSE with the Hadamard rotation goes through ``kvq_ref.fast``'s
+    fused kernel, which gives the same bytes (tested there and in ``tests/kvq_eval/test_simulate.py``)
+    in one pass per vector instead of a dozen whole-array numpy passes."""
+    return encode_fast(q, x) if _fused(q) else q.encode(x)
+
+
+def _decode(q: Quantizer, enc: Encoded) -> np.ndarray:
+    """``q.decode(enc)``, fused where ``_encode`` is (the same float32)."""
+    return decode_fast(q, enc) if _fused(q) else q.decode(enc)
 
 
 def _fp16(x: np.ndarray) -> np.ndarray:
@@ -214,8 +232,8 @@ def _simulate(module, query, key, value, scaling, spec: MethodSpec):
         km, vm = spec.key(layer, h, d), spec.value(layer, h, d)
         group = max(token_group(km), token_group(vm))
         kh, vh = _fp16(k[h]), _fp16(v[h])
-        keys = effective_keys(km, km.encode(k[h]), d) if km is not None else kh
-        vals = vm.decode(vm.encode(v[h])).reshape(t, d).astype(np.float64) if vm is not None else vh
+        keys = effective_keys(km, _encode(km, k[h]), d) if km is not None else kh
+        vals = _decode(vm, _encode(vm, v[h])).reshape(t, d).astype(np.float64) if vm is not None else vh
         keys, vals, kh, vh = (torch.from_numpy(np.ascontiguousarray(x)) for x in (keys, vals, kh, vh))
         qh = q[h * g:(h + 1) * g]
         first = sink + window  # first query with a middle when group == 1
@@ -439,12 +457,12 @@ class _Store:
                 # one call for all whole groups: what encoding group by group and concatenating gives
                 old_k, old_v = self.win_k[h][:n_out], self.win_v[h][:n_out]
                 self.win_k[h], self.win_v[h] = self.win_k[h][n_out:], self.win_v[h][n_out:]
-                new_k, new_v = km.encode(old_k), vm.encode(old_v)
+                new_k, new_v = _encode(km, old_k), _encode(vm, old_v)
                 self.enc_k[h] = concat_encoded(km, ([self.enc_k[h]] if self.enc_k[h] else []) + [new_k])
                 self.enc_v[h] = concat_encoded(vm, ([self.enc_v[h]] if self.enc_v[h] else []) + [new_v])
                 if not km.estimator:
-                    self.dec_k[h].append(km.decode(new_k))
-                self.dec_v[h].append(vm.decode(new_v))
+                    self.dec_k[h].append(_decode(km, new_k))
+                self.dec_v[h].append(_decode(vm, new_v))
         self.n += k.shape[1]
         self.n_mid = self.enc_k[0].shape[0] if self.enc_k[0] is not None else 0
 

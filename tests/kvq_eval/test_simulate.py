@@ -161,3 +161,35 @@ def test_masked_softmax_in_place_is_bitwise_the_definition(rows, cols, seed, sca
     want = hooks._softmax(np.where(ok, z * 0.125, -np.inf))
     got = hooks._masked_softmax(z.copy(), ok, 0.125)
     assert got.dtype == want.dtype and np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("name,d", [("tq_mse3", 64), ("tq_k5v3", 256), ("tq_mse2", 96), ("tq_prod3", 64)])
+def test_the_fused_encode_path_stores_the_same_bytes(name, d, monkeypatch):
+    """The quantized store (and the simulation) encode TurboQuantMSE with ``kvq_ref.fast``'s fused
+    kernels; its codes, norms and decoded rows must be those of the spec path, byte for byte, for
+    the key and value sides, a non-power-of-two head (96: blocks of 32 behind a permutation) and
+    a method whose values only are TurboQuantMSE (tq_prod3)."""
+    spec = make_spec(name)
+    rng = np.random.default_rng(d)
+    k = rng.standard_normal((2, 300, d)) * np.exp(rng.normal(0, 0.5, d))
+    v = rng.standard_normal((2, 300, d))
+    k[0, 7] = 0.0  # a zero key: norm 0, codes of the zero vector
+
+    def store(fused):
+        monkeypatch.setattr(hooks, "_fused", lambda q: fused and type(q) is hooks.TurboQuantMSE and q.rotation == "hadamard")
+        s = hooks._Store(spec, 0, 2, d)
+        s.write(k[:, :170], v[:, :170])
+        s.write(k[:, 170:], v[:, 170:])  # a second call appends to the encoded arrays
+        return s
+
+    fast, slow = store(True), store(False)
+    assert hooks._fused(spec.value(0, 0, d)) is False  # the patch is still in place: slow path
+    for h in range(2):
+        for a, b in ((fast.enc_k[h], slow.enc_k[h]), (fast.enc_v[h], slow.enc_v[h])):
+            assert a.arrays.keys() == b.arrays.keys()
+            for key in a.arrays:
+                assert a.arrays[key].dtype == b.arrays[key].dtype and np.array_equal(a.arrays[key], b.arrays[key])
+        for a, b in ((fast.dec_k[h], slow.dec_k[h]), (fast.dec_v[h], slow.dec_v[h])):
+            assert np.array_equal(a.rows, b.rows)
+    monkeypatch.undo()
+    assert hooks._fused(spec.value(0, 0, d))  # and the real path does take the fused kernel
