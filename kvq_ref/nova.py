@@ -93,11 +93,51 @@ def nearest_centroids(shapes, groups, centroids, out):
     The squared distance to centroid ``i`` of group ``j`` is summed over the group's coordinates in
     order, ``((0 + e_0^2) + e_1^2) + ...`` with ``e_t = shapes[r, groups[j, t]] - centroids[j, i, t]``
     (no fused multiply-add), and the first ``i`` with the smallest distance wins: what a decode
-    kernel's encoder must match. The kernel keeps the centroids coordinate-major, so the K
-    distances of a group are formed in one vectorized pass before the scan for the smallest
-    (tested against a numpy argmin in ``tests/kvq_ref/test_nova.py``).
+    kernel's encoder must match. The kernels keep the centroids coordinate-major. For g = 4 (NOVA-KV's
+    groups) one runs 16 tokens side by side, each SIMD lane one token's running distance and best
+    index (a select, never a branch), so nothing but the lanes changes the order of operations;
+    for other g the K distances of a token's group are formed in one pass before the scan. Both
+    are tested against a numpy argmin in ``tests/kvq_ref/test_nova.py``.
     """
-    _nearest_centroids(shapes, groups, np.ascontiguousarray(np.transpose(centroids, (0, 2, 1))), out)
+    by_coordinate = np.ascontiguousarray(np.transpose(centroids, (0, 2, 1)))
+    (_nearest_g4 if by_coordinate.shape[1] == 4 else _nearest_centroids)(shapes, groups, by_coordinate, out)
+
+
+_LANES = 16  # tokens per block of _nearest_g4
+
+
+@rows_parallel
+@njit(parallel=True, cache=True)
+def _nearest_g4(shapes, groups, by_coordinate, out):
+    """``nearest_centroids`` for groups of 4 coordinates, ``_LANES`` tokens at a time."""
+    n = shapes.shape[0]
+    n_groups, _, k = by_coordinate.shape
+    for b in prange((n + _LANES - 1) // _LANES):
+        lo = b * _LANES
+        m = min(n, lo + _LANES) - lo
+        x = np.zeros((4, _LANES))  # lanes past the last token hold stale values, never written out
+        best_d = np.empty(_LANES)
+        best = np.empty(_LANES, np.int64)
+        for j in range(n_groups):
+            for t in range(4):
+                col = groups[j, t]
+                for r in range(m):
+                    x[t, r] = shapes[lo + r, col]
+            x0, x1, x2, x3 = x[0], x[1], x[2], x[3]
+            for r in range(_LANES):
+                best_d[r] = np.inf
+                best[r] = 0
+            for i in range(k):
+                c0, c1, c2 = by_coordinate[j, 0, i], by_coordinate[j, 1, i], by_coordinate[j, 2, i]
+                c3 = by_coordinate[j, 3, i]
+                for r in range(_LANES):
+                    e0, e1, e2, e3 = x0[r] - c0, x1[r] - c1, x2[r] - c2, x3[r] - c3
+                    dist = ((e0 * e0 + e1 * e1) + e2 * e2) + e3 * e3  # = ((0 + e0^2) + e1^2) + ...
+                    less = dist < best_d[r]
+                    best[r] = i if less else best[r]
+                    best_d[r] = dist if less else best_d[r]
+            for r in range(m):
+                out[lo + r, j] = best[r]
 
 
 @rows_parallel

@@ -223,13 +223,13 @@ def test_release_values_are_oscar_int2_on_the_k_sigma_k_weighted_statistic(calib
         Oscar(m.head(0, 0), "key", rotation="nova")
 
 
-@settings(max_examples=60, deadline=None)
-@given(n=st.integers(1, 300), g=st.integers(1, 8), k_log2=st.integers(1, 8), n_groups=st.integers(1, 5),
+@settings(max_examples=80, deadline=None)
+@given(n=st.integers(1, 300), g=st.sampled_from([1, 2, 3, 4, 4, 4, 5, 6, 7, 8]), k_log2=st.integers(1, 8), n_groups=st.integers(1, 5),
        seed=st.integers(0, 2**32 - 1), ties=st.booleans())
 def test_nearest_centroids_is_the_first_argmin_of_the_summed_squares(n, g, k_log2, n_groups, seed, ties):
-    """The numba kernel against numpy: distances summed over the group's coordinates in order from
-    0.0 (numpy sums fewer than 8 terms one after the other; ``bits * g <= 8`` keeps g <= 8, hence
-    the explicit loop here), the first smallest index. Exact ties are forced with duplicated
+    """The numba kernels against numpy: distances summed over the group's coordinates in order from
+    0.0 (explicitly, one coordinate at a time), the first smallest index. g = 4 (NOVA-KV's groups)
+    has its own 16-token kernel and is drawn more often; n covers partial blocks of 16. Exact ties are forced with duplicated
     centroids and shapes sitting on a centroid, and shapes on the float32 grid of the centroids
     make many distances equal."""
     rng = np.random.default_rng(seed)
