@@ -246,20 +246,23 @@ def _simulate(module, query, key, value, scaling, spec: MethodSpec):
         for lo in range(0, t, QUERY_BLOCK):
             hi = min(t, lo + QUERY_BLOCK)
             qp, qb = pos[lo:hi], qh[:, lo:hi]
-            allowed = _allowed(qp, pos[:hi], sliding)
-            band = band_mask(qp, pos[:hi], sink, window, group) & allowed
+            # keys before k0 are outside every query's sliding window (k0 = 0 without one): the masks
+            # cover [k0, hi) only, for the same parts as over [0, hi)
+            k0 = _first_key_block(lo, sliding)
+            allowed = _allowed(qp, pos[k0:hi], sliding)
+            band = band_mask(qp, pos[k0:hi], sink, window, group) & allowed
             if not (group == 1 and sliding is None):
-                k0 = _first_key_block(lo, sliding)
-                mid = torch.from_numpy(allowed[:, k0:] & ~band[:, k0:])
+                mid = torch.from_numpy(allowed & ~band)
                 parts = [_partial_attention(qb, keys[k0:hi], vals[k0:hi], scaling, mask=mid)]
             elif first < t:
                 parts = [(o_mid[:, lo:hi], l_mid[:, lo:hi])]
             else:
                 parts = []
-            cols = np.flatnonzero(band.any(0))  # the sink and the recent tokens of this block
+            local = np.flatnonzero(band.any(0))  # the sink and the recent tokens of this block
+            cols = k0 + local
             if cols.size:
                 idx = torch.from_numpy(cols)
-                parts.append(_partial_attention(qb, kh[idx], vh[idx], scaling, mask=torch.from_numpy(band[:, cols])))
+                parts.append(_partial_attention(qb, kh[idx], vh[idx], scaling, mask=torch.from_numpy(band[:, local])))
             out[h * g:(h + 1) * g, lo:hi] = _merge(parts)
     return out.to(query.dtype).transpose(0, 1).unsqueeze(0), None
 
