@@ -99,8 +99,18 @@ def nearest_centroids(shapes, groups, centroids, out):
     for other g the K distances of a token's group are formed in one pass before the scan. Both
     are tested against a numpy argmin in ``tests/kvq_ref/test_nova.py``.
     """
-    by_coordinate = np.ascontiguousarray(np.transpose(centroids, (0, 2, 1)))
-    (_nearest_g4 if by_coordinate.shape[1] == 4 else _nearest_centroids)(shapes, groups, by_coordinate, out)
+    nearest_by_coordinate(shapes, groups, by_coordinate(centroids), out)
+
+
+def by_coordinate(centroids: np.ndarray) -> np.ndarray:
+    """Centroids (G, K, g) as the coordinate-major (G, g, K) float64 array the kernels read."""
+    return np.ascontiguousarray(np.transpose(centroids, (0, 2, 1)), dtype=np.float64)
+
+
+def nearest_by_coordinate(shapes, groups, coordinate_major, out):
+    """``nearest_centroids`` with centroids already ``by_coordinate`` (a quantizer converts its
+    codebooks once, not at every encode of a decode step's token)."""
+    (_nearest_g4 if coordinate_major.shape[1] == 4 else _nearest_centroids)(shapes, groups, coordinate_major, out)
 
 
 _LANES = 16  # tokens per block of _nearest_g4
@@ -232,6 +242,10 @@ class NovaKV(Quantizer):
             return h.key, h.key_groups, h.key_centroids.astype(np.float64), fp_dtype(self.gain_dtype)
         return h.value, h.value_groups, h.value_centroids.astype(np.float64), np.dtype(np.float32)
 
+    @cached_property
+    def _by_coordinate(self) -> np.ndarray:
+        return by_coordinate(self._tables[2])
+
     @property
     def _code_bits(self) -> int:
         return self.head.bits * self.head.g
@@ -249,13 +263,13 @@ class NovaKV(Quantizer):
             inner = self.int2.encode(x)
             return self._make(inner.shape, inner.arrays)
         x = as_array("x", x, dim=self.dim)
-        transform, groups, centroids, gain_dtype = self._tables
+        transform, groups, _, gain_dtype = self._tables
         c = np.ascontiguousarray(transform.coefficients(x.reshape(-1, self.dim)))
         gains = to_fp("gains", row_norms(c) / np.sqrt(self.dim), gain_dtype)
         g64 = gains.astype(np.float64)
         shapes = np.divide(c, g64[:, None], out=np.zeros_like(c), where=g64[:, None] > 0)
         codes = np.empty((c.shape[0], groups.shape[0]), dtype=np.uint8)
-        nearest_centroids(shapes, groups, centroids, codes)
+        nearest_by_coordinate(shapes, groups, self._by_coordinate, codes)
         lead = x.shape[:-1]
         return self._make(x.shape, {"codes": pack_codes(codes, self._code_bits).reshape(lead + (-1,)),
                                     "gains": gains.reshape(lead)})
