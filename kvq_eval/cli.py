@@ -124,7 +124,7 @@ def _dry_run(kw: dict, calib_tokens: int) -> int:
     """Print what a run would compute: its cells, how many are stored, the missing (task, entry) pairs
     with their counts (a needle sample counts once per entry it lacks) and ``grid.estimate_seconds``.
     Computes nothing."""
-    from .grid import _check_calib_tokens, _missing, estimate_seconds, plan
+    from .grid import RECENT, _check_calib_tokens, _missing, estimate_seconds, plan
 
     _check_calib_tokens(calib_tokens)
     units = plan(**kw)
@@ -144,8 +144,9 @@ def _dry_run(kw: dict, calib_tokens: int) -> int:
     if todo and not seconds:
         print("  no time estimate: no cell of these kinds in this folder has a recorded time yet")
     elif todo:
-        print(f"  about {seconds / 3600:.1f} hours at the speeds this folder's cells recorded (median wall time per "
-              f"perplexity window, needle entry and layers cell, of the same method where it has one)"
+        print(f"  about {seconds / 3600:.1f} hours at the speeds this folder's cells recorded last (median wall time "
+              f"of the newest {RECENT} records per perplexity window, needle entry and layers cell, of the same "
+              f"method where it has one)"
               + (f"; {unknown} cell(s) of a kind with no record yet not counted" if unknown else ""))
     return 0
 

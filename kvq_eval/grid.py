@@ -24,6 +24,8 @@ __all__ = ["entry_id", "parse_entry", "plan", "PREFILL_MODES", "TASKS"]
 
 PREFILL_MODES = ("exact", "quantized")
 TASKS = ("ppl", "niah", "decode", "layers")
+#: How many of the newest dated records of a kind a dry-run estimate takes the median of.
+RECENT = 5
 
 
 def entry_id(method: str, band: Band | None, prefill: str = "exact") -> str:
@@ -198,21 +200,35 @@ def plan(model: str, methods, out, contexts=(1024,), tasks=("ppl", "niah"), vari
     return units
 
 
+def recent_median(records, latest: int = RECENT) -> float:
+    """Median seconds of the ``latest`` newest of ``records``, ``(finished, seconds)`` pairs.
+
+    ``finished`` is ``provenance.finished()``'s UTC time (text that sorts in time order), or None for
+    a record made before it was kept. Where any record is dated only dated ones count: records
+    made by older code (an 8K perplexity window took twice as long before e19507b, a needle entry 2-7x
+    before the fused encoders) or while the machine ran something else would overstate what is left.
+    Undated records are all used where none is dated.
+    """
+    import statistics
+
+    dated = sorted((r for r in records if r[0]), key=lambda r: r[0])
+    return statistics.median(s for _, s in (dated[-latest:] if dated else records))
+
+
 def estimate_seconds(units: list[dict], calib_tokens: int) -> tuple[float, int]:
     """(seconds, units without an estimate) of what ``units`` still need, at the speeds the folder's
     own cells recorded: per perplexity window of each length, per needle entry at each context, per
-    layers cell. Each is the median over the stored records of that kind for the same method
+    layers cell. Each is ``recent_median`` of the stored records of that kind for the same method
     (NOVA-KV's needle entries take 3-6x TurboQuantMSE's), or of every method where that method has
     none yet, partial cells included. A kind with no record at all counts its units as unestimated.
     The machine and its load are those of the recorded runs: an estimate, for planning, not a
     benchmark."""
-    import statistics
+    records: dict[tuple, list[tuple]] = {}
 
-    records: dict[tuple, list[float]] = {}
-
-    def record(kind, method, seconds):
+    def record(kind, method, rows):
+        timed = [(r.get("finished"), r["seconds"]) for r in rows if "seconds" in r]
         for key in (kind, (*kind, method)):
-            records.setdefault(key, []).extend(seconds)
+            records.setdefault(key, []).extend(timed)
 
     need_of = []  # (unit index, kind, method, count)
     for i, u in enumerate(units):
@@ -222,23 +238,23 @@ def estimate_seconds(units: list[dict], calib_tokens: int) -> tuple[float, int]:
             kind, method = ("ppl", u["tokens"]), parse_entry(u["entry"])[0]
             partial = _read(_partial_path(u)) if stored is None else None
             rows = (stored or {}).get("windows") or (partial or {}).get("rows") or []
-            record(kind, method, [r["seconds"] for r in rows if "seconds" in r])
+            record(kind, method, rows)
             need_of.append((i, kind, method, (u["windows"] - len(rows)) if need else 0))
         elif u["task"] == "niah":
             kind = ("niah", u["cell"][1])
             for name, r in (stored or {}).get("results", {}).items():
-                record(kind, parse_entry(name)[0], [r["seconds"]] if "seconds" in r else [])
+                record(kind, parse_entry(name)[0], [r])
             need_of.extend((i, kind, parse_entry(e)[0], 1) for e in need)
         else:
             kind, method = (u["task"],), parse_entry(u["entry"])[0]
             if stored is not None and "wall_seconds" in stored:
-                record(kind, method, [stored["wall_seconds"]])
+                record(kind, method, [{"finished": stored.get("finished"), "seconds": stored["wall_seconds"]}])
             need_of.append((i, kind, method, 1 if need else 0))
     total, unknown = 0.0, set()
     for i, kind, method, n in need_of:
         known = records.get((*kind, method)) or records.get(kind)
         if n and known:
-            total += n * statistics.median(known)
+            total += n * recent_median(known)
         elif n:
             unknown.add(i)
     return total, len(unknown)

@@ -43,9 +43,8 @@ def _work(args) -> Path:
 
 
 def _dry_run(cfg, work) -> int:
+    from .grid import RECENT, recent_median
     from .sensitivity import layer_units, read_cell
-
-    import statistics
 
     units = layer_units(cfg.model, work, cfg.band, cfg.measured, cfg.context, cfg.calib_windows, cfg.stride)
     cells = [(u, read_cell(u)) for u in units]
@@ -55,16 +54,16 @@ def _dry_run(cfg, work) -> int:
                                                           if cfg.check_model else "")
           + f" of {cfg.context} tokens")
     # a layer cell runs the layers from its own on, so its time falls with the layer: the median of the
-    # stored cells of that layer, else of all stored cells
+    # newest stored cells of that layer, else of all stored cells (grid.recent_median)
     done: dict = {}
     for u, c in cells:
         if c is not None and "seconds" in c:
-            done.setdefault(u["layer"], []).append(c["seconds"])
+            done.setdefault(u["layer"], []).append((c.get("finished"), c["seconds"]))
     if missing and done:
-        every = statistics.median([s for v in done.values() for s in v])
-        hours = sum(statistics.median(done[u["layer"]]) if u["layer"] in done else every for u in missing) / 3600
-        print(f"  the missing sensitivity cells: about {hours:.1f} hours at the speeds the stored ones recorded "
-              f"(median wall time per layer)")
+        every = recent_median([r for v in done.values() for r in v])
+        hours = sum(recent_median(done[u["layer"]]) if u["layer"] in done else every for u in missing) / 3600
+        print(f"  the missing sensitivity cells: about {hours:.1f} hours at the speeds the stored ones recorded last "
+              f"(median wall time of the newest {RECENT} per layer)")
     return 0
 
 

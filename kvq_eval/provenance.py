@@ -13,11 +13,20 @@ import subprocess
 from functools import lru_cache
 from pathlib import Path
 
-__all__ = ["PROTOCOL", "environment", "artifact_digest", "provenance"]
+__all__ = ["PROTOCOL", "environment", "artifact_digest", "provenance", "finished"]
 
 #: The evaluation protocol the runner implements (3: window-level statistics, short perplexity
 #: windows on their own text, the long needle haystack beyond 4K tokens, provenance records).
 PROTOCOL = 3
+
+
+def finished() -> str:
+    """Now, in UTC to the second (``"2026-12-06T19:40:12Z"``): when a timed record (a perplexity
+    window, a needle entry, a cell) was finished. Dry-run estimates price from the latest records
+    (``grid.recent_median``): older ones were made by slower code or on a busier machine."""
+    from datetime import datetime, timezone
+
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 @lru_cache(maxsize=1)

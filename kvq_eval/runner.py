@@ -57,7 +57,7 @@ from .keyopts import key_structure
 from .methods import make_spec, method_info
 from .models import cache_dir, canonical_model, load_model, slug
 from .niah import VARIANTS, exact_match, haystack_part, make_sample
-from .provenance import PROTOCOL, environment, provenance
+from .provenance import PROTOCOL, environment, finished, provenance
 from .text import part, ppl_text
 
 __all__ = ["Evaluator", "run_grid", "ray_map", "entry_id", "parse_entry", "POSITION_BINS", "PREFILL_MODES"]
@@ -253,7 +253,7 @@ class Evaluator:
             with session("simulate", spec):
                 out = self._hidden(ids)
             rows.append({**_window_stats(ref, out, ids[0, 1:], head=self._head), "ids_sha256": ids_sha256(ids),
-                         "seconds": time.perf_counter() - t0})
+                         "seconds": time.perf_counter() - t0, "finished": finished()})
             if on_window is not None:
                 on_window(rows)
         return {"method": method, "tokens": tokens, "text": text, "windows": rows, "simulation": SIMULATION,
@@ -414,7 +414,7 @@ class Evaluator:
                     entry["calib_tokens"] = self.calib_tokens
             else:
                 entry["bits_per_element"] = 32.0
-            entry["seconds"] = time.perf_counter() - t0
+            entry["seconds"], entry["finished"] = time.perf_counter() - t0, finished()
             entry["provenance"] = self.provenance(method)
             results[name] = entry
         return {"variant": variant, "context": context, "depth": depth, "sample": sample, "keys": list(s.keys),
@@ -439,7 +439,8 @@ class Evaluator:
             for t in range(prefix, prefix + new_tokens - 1):
                 outs.append(self._step(ids[:, t:t + 1], cache, ctx)[-1])
             out = torch.stack(outs).double()
-            row = {**_window_stats(ref, out, ids[0, prefix:]), "seconds": time.perf_counter() - t0}
+            row = {**_window_stats(ref, out, ids[0, prefix:]), "seconds": time.perf_counter() - t0,
+                   "finished": finished()}
             if spec is not None:
                 row["bits_per_element"] = cache_bits(cache, self.rates(spec)["table_bits"])
             rows.append(row)
@@ -503,6 +504,7 @@ def _finish(model: str, unit: dict, res: dict, seconds: float) -> None:
             res = _merge_niah(unit["path"], res)
         res.update({"model": model, "task": unit["task"]})
         res["wall_seconds"] = res.get("wall_seconds", 0.0) + seconds
+        res["finished"] = finished()
         if unit["task"] == "ppl":  # a resumed cell's windows carry their own seconds
             res["wall_seconds"] = max(res["wall_seconds"], sum(w.get("seconds", 0.0) for w in res["windows"]))
         _write(unit["path"], res)

@@ -257,6 +257,7 @@ _INPUTS: dict = {}
 def compute_cell(ev, unit: dict) -> dict:
     """The cell of one unit (``layer_units``/``joint_units``), with its key fields, stats and timing."""
     from .hooks import SIMULATION, session
+    from .provenance import finished
 
     t0, c0 = time.perf_counter(), time.process_time()
     ids = _window(unit)
@@ -273,7 +274,7 @@ def compute_cell(ev, unit: dict) -> dict:
     st = _stats(ev, ids, out, unit["stride"])
     # cpu_seconds (this process's CPU time) tells the cost apart from the machine's load
     return {**_key(unit), **st, "simulation": SIMULATION, "seconds": time.perf_counter() - t0,
-            "cpu_seconds": time.process_time() - c0, "provenance": ev.provenance("fp32")}
+            "cpu_seconds": time.process_time() - c0, "finished": finished(), "provenance": ev.provenance("fp32")}
 
 
 def _key(unit: dict) -> dict:

@@ -6,6 +6,7 @@ Tests marked ``model`` load SmolLM2-135M from its wheel (a few hundred tokens ea
 from __future__ import annotations
 
 import json
+import re
 import warnings
 
 import numpy as np
@@ -539,7 +540,10 @@ def test_interrupted_perplexity_cell_resumes_after_its_saved_windows(lm, tmp_pat
     assert runner.run_grid("smollm2", ["tq_mse3"], tmp_path, **kw)["ran"] == 1
     assert len(calls) == 2 and not partial.exists()  # windows 2 and 3 only
     got = json.loads(cell.read_text())
-    strip = lambda rows: [{k: v for k, v in r.items() if k != "seconds"} for r in rows]  # noqa: E731
+    # every window says when it was finished (UTC, to the second): dry-run estimates use the newest
+    assert all(re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", w["finished"]) for w in got["windows"])
+    assert got["finished"] >= max(w["finished"] for w in got["windows"])
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in ("seconds", "finished")} for r in rows]  # noqa: E731
     assert strip(got["windows"]) == strip(want["windows"])
     # a partial file of other settings (another simulation version) is not resumed
     partial.write_text(json.dumps({"key": {"entry": "tq_mse3@none", "simulation": 1}, "rows": [{"n": 1}]}))

@@ -168,3 +168,42 @@ def test_estimate_seconds_uses_the_folders_recorded_speeds(tmp_path):
                                       "tq_mse3@none": {"seconds": 40.0}}})
     # the first cell is complete; the second needs fp32 (2), tq_mse4 (4) and tq_mse3 (its own 40)
     assert estimate_seconds(units, 1024) == (90.0 + 46.0 + 7.0, 0)
+
+
+def test_estimates_price_from_the_newest_dated_records():
+    """Where records carry when they were finished, the estimate is the median of the newest
+    ``RECENT`` of them: older ones were made by slower code or on a busier machine. Undated records
+    (made before the time was kept) count only where nothing is dated."""
+    from kvq_eval.grid import RECENT, recent_median
+
+    old = [(None, 100.0)] * 9
+    assert recent_median(old) == 100.0
+    dated = [(f"2026-12-0{d}T10:00:00Z", s) for d, s in ((1, 90.0), (2, 80.0), (3, 9.0), (4, 8.0), (5, 7.0),
+                                                          (6, 6.0), (7, 5.0))]
+    # the newest 5 (days 3-7) out of order among the undated ones; days 1 and 2 are older
+    mixed = old[:4] + dated[::-1] + old[4:]
+    assert RECENT == 5 and recent_median(mixed) == 7.0
+    assert recent_median(mixed, latest=7) == 8.0
+    # the time is text that sorts in time order: a later hour of the same day is newer
+    assert recent_median([("2026-12-06T09:59:59Z", 50.0), ("2026-12-06T10:00:00Z", 1.0)], latest=1) == 1.0
+
+
+def test_dated_records_replace_older_undated_ones_in_the_estimate(tmp_path):
+    """A folder whose first windows ran on slower code (undated) and whose latest are dated is priced
+    at the latest speed, for the method's own records and for the every-method fallback."""
+    import json
+
+    from kvq_eval.grid import estimate_seconds, plan
+
+    units = plan("smollm2", ["tq_mse4", "tq_mse3"], tmp_path, contexts=(1024,), tasks=("ppl",),
+                 ppl_windows=((1024, 4),))
+    by = {u["entry"]: u for u in units}
+
+    def put(path, obj):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(obj))
+
+    put(by["tq_mse4@none"]["path"], {"windows": [{"seconds": 100.0}] * 2 + [
+        {"seconds": 10.0, "finished": "2026-12-06T10:00:00Z"}, {"seconds": 12.0, "finished": "2026-12-06T11:00:00Z"}]})
+    # tq_mse3's 4 windows take every method's newest records: median(10, 12) = 11, not the 100 s ones
+    assert estimate_seconds(units, 1024) == (4 * 11.0, 0)

@@ -218,3 +218,11 @@ def test_dry_run_counts_and_times_the_missing_cells(tmp_path, capsys):
     assert "120 sensitivity cells (115 missing)" in out
     # layer 1: 3 x 8 s; layers 2-29: 112 x median(10, 20, 30, 40, 8) = 20 s; 2264 s
     assert "about 0.6 hours" in out and sorted(work.rglob("*")) == before
+    # dated cells of layer 0 (made by newer code) replace its undated ones in the estimate
+    for u, sec in zip(layer0[:2], (2.0, 4.0)):
+        _write(u["path"], {**_key(u), "seconds": sec, "finished": "2026-12-06T10:00:00Z"})
+    assert main(["search", "--model", "smollm2", "--target", "1", "--band", "0,8", "--candidates", "tq_mse2,tq_mse4",
+                 "--context", "32", "--calib-windows", "1", "--work", str(work), "--out", str(tmp_path / "p.json"),
+                 "--dry-run"]) == 0
+    # layer 1: 3 x 8 s; layers 2-29: 112 x median(2, 4) = 3 s; 360 s
+    assert "about 0.1 hours" in capsys.readouterr().out

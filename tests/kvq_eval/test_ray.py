@@ -10,9 +10,9 @@ ray = pytest.importorskip("ray")
 
 
 def _strip(obj):
-    """A result without its timings and provenance (the workers' OMP_NUM_THREADS is recorded there)."""
+    """A result without its timings (and when they were finished) and provenance (the workers' OMP_NUM_THREADS is recorded there)."""
     if isinstance(obj, dict):
-        return {k: _strip(v) for k, v in obj.items() if k not in ("seconds", "wall_seconds", "provenance")}
+        return {k: _strip(v) for k, v in obj.items() if k not in ("seconds", "wall_seconds", "finished", "provenance")}
     if isinstance(obj, list):
         return [_strip(v) for v in obj]
     return obj

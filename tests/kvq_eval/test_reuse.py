@@ -9,9 +9,9 @@ import pytest
 
 
 def _strip(obj):
-    """A result without what differs between two runs of the same numbers (timings, provenance,
+    """A result without what differs between two runs of the same numbers (timings and when, provenance,
     where it was reused from)."""
-    drop = {"seconds", "wall_seconds", "reused_from", "provenance", "windows_reused"}
+    drop = {"seconds", "wall_seconds", "finished", "reused_from", "provenance", "windows_reused"}
     if isinstance(obj, dict):
         return {k: _strip(v) for k, v in obj.items() if k not in drop}
     if isinstance(obj, list):
