@@ -52,7 +52,8 @@ def main(argv=None) -> dict:
     from kvq_eval.band import parse_band
     from kvq_eval.calib import token_chunks
     from kvq_eval.hooks import SIMULATION, _simulate, session, simulate_dense
-    from kvq_eval.runner import Evaluator, _window_stats
+    from kvq_eval.runner import Evaluator
+    from kvq_eval.scores import window_stats
     from kvq_eval.text import part
 
     torch.set_grad_enabled(False)
@@ -87,7 +88,7 @@ def main(argv=None) -> dict:
         for name, dense in (("fast", False), ("dense", True)):
             with session("simulate", spec, dense=dense):
                 out = ev.model(window).logits[0, :-1]
-            s = _window_stats(ref, out, window[0, 1:])
+            s = window_stats(ref, out, window[0, 1:])
             row[f"nll_{name}"], row["nll_fp32"] = s["nll_q"] / s["n"], s["nll_f"] / s["n"]
         row["cost"] = row["nll_fast"] - row["nll_fp32"]
         row["fast_minus_dense"] = row["nll_fast"] - row["nll_dense"]

@@ -1,12 +1,12 @@
-"""The perplexity statistics: buffered rows (``runner._window_stats``) against whole chunks.
+"""The perplexity statistics: buffered rows (``scores.window_stats``) against whole chunks.
 
 Run from the repository root (about a minute on 2 cores)::
 
     python benchmarks/eval_stats.py [--out benchmarks/results/eval_stats.json]
 
-Float32 logits of 512 positions (one chunk of ``_window_stats``) over Gemma-3's 262,144-token and
+Float32 logits of 512 positions (one chunk of ``window_stats``) over Gemma-3's 262,144-token and
 SmolLM2's 49,152-token vocabularies, random with a fixed seed: the float64 statistics (NLLs, KL,
-top-1) by ``_window_stats_direct`` (the definitions in whole-chunk arrays) and by ``_window_stats``
+top-1) by ``window_stats_direct`` (the definitions in whole-chunk arrays) and by ``window_stats``
 (the same operations, a few positions at a time in reused buffers), timed in the same run, best of
 ``--repeats``. The record says whether the two gave the same numbers bit for bit; the ratio, not
 the seconds, is the result. Nothing asserts on the outcome.
@@ -24,7 +24,7 @@ from pathlib import Path
 def main(argv=None) -> dict:
     import torch
 
-    from kvq_eval.runner import _window_stats, _window_stats_direct
+    from kvq_eval.scores import window_stats, window_stats_direct
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="benchmarks/results/eval_stats.json")
@@ -37,7 +37,7 @@ def main(argv=None) -> dict:
         out = ref + 0.5 * torch.randn((512, vocab), generator=g)
         target = torch.randint(0, vocab, (512,), generator=g)
         seconds, results = {}, {}
-        for form, fn in (("direct", _window_stats_direct), ("buffered", _window_stats)):
+        for form, fn in (("direct", window_stats_direct), ("buffered", window_stats)):
             best = float("inf")
             for _ in range(args.repeats):
                 t0 = time.perf_counter()

@@ -17,7 +17,7 @@ from pathlib import Path
 __all__ = ["writable_folder", "writable_file", "check_run", "check_run_lengths", "check_text_tokens",
            "MIN_PPL_TOKENS"]
 
-#: POSITION_BINS (runner) + 1: a window of T tokens scores T - 1 positions, split into 16 bins
+#: POSITION_BINS (scores) + 1: a window of T tokens scores T - 1 positions, split into 16 bins
 MIN_PPL_TOKENS = 17
 
 

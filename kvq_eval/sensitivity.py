@@ -18,7 +18,7 @@ How a layer cell is computed (exactly what the full simulation computes, faster)
   ``<cache>/reference/`` (``layer_inputs``; the earlier layers' forwards are replaced by the identity
   for that call). ``tests/kvq_eval/test_planner.py`` checks that this equals the forward from the
   token ids bit for bit;
-* the logits (of the quantized and of the reference hidden states, ``runner._window_stats``) are
+* the logits (of the quantized and of the reference hidden states, ``scores.window_stats``) are
   formed only at every ``stride``-th position (``stride=1``: all): the vocabulary head is most of a
   late layer's cost (Gemma-3's 262K-token vocabulary), and the mean over a regular subsample of
   positions is an unbiased estimate of the window's mean. A cell records the NLL change and
@@ -220,14 +220,14 @@ def _ref_logits(ev, ids, stride: int):
 
 
 def _stats(ev, ids, out, stride: int) -> dict:
-    """``runner._window_stats`` at every ``stride``-th position (NLL of the quantized and the
+    """``scores.window_stats`` at every ``stride``-th position (NLL of the quantized and the
     reference model, KL(fp32 || quant), top-1, per-bin changes), with the per-token means ``dnll``
     and ``kl`` (nats per token). The reference's logits are shared by the window's cells
-    (``_ref_logits``; the same float32 logits ``_window_stats`` forms, so the same sums)."""
-    from .runner import _window_stats
+    (``_ref_logits``; the same float32 logits ``window_stats`` forms, so the same sums)."""
+    from .scores import window_stats
 
     rows = slice(stride - 1, None, stride)
-    st = _window_stats(_ref_logits(ev, ids, stride), out[rows], ids[0, 1:][rows], head=ev._head, ref_logits=True)
+    st = window_stats(_ref_logits(ev, ids, stride), out[rows], ids[0, 1:][rows], head=ev._head, ref_logits=True)
     st["dnll"] = (st["nll_q"] - st["nll_f"]) / st["n"]
     st["kl_per_token"] = st["kl"] / st["n"]
     return st

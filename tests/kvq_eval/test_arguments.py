@@ -120,7 +120,7 @@ def test_short_perplexity_windows_never_write_nan():
     """16-token windows wrote NaN (an empty position bin) into the result JSON."""
     import torch
 
-    from kvq_eval.runner import POSITION_BINS, _window_stats
+    from kvq_eval.scores import POSITION_BINS, window_stats
 
     rng = np.random.default_rng(0)
     for n in (15, 16):
@@ -128,7 +128,7 @@ def test_short_perplexity_windows_never_write_nan():
         target = torch.from_numpy(rng.integers(0, 5, n))
         if n < POSITION_BINS:
             with pytest.raises(ValueError, match="fewer than the 16 position bins"):
-                _window_stats(ref, out, target)
+                window_stats(ref, out, target)
         else:
-            stats = _window_stats(ref, out, target)
+            stats = window_stats(ref, out, target)
             assert np.all(np.isfinite(stats["dnll_bins"])) and np.all(np.isfinite(stats["kl_bins"]))

@@ -457,15 +457,15 @@ def test_window_stats_from_hidden_states_match_full_logits(lm):
     the full logits: the path that keeps Gemma's 8K windows in memory changes no number."""
     import torch
 
-    from kvq_eval.runner import _window_stats
+    from kvq_eval.scores import window_stats
 
     model, tok, ids, _ = lm
     ev = _evaluator(model, tok)
     x = ids[:, :200]
     h = ev._hidden(x)
     noisy = h + 0.05 * torch.randn(h.shape, generator=torch.Generator().manual_seed(0))
-    full = _window_stats(ev._head(h), ev._head(noisy), x[0, 1:], chunk=64)
-    chunked = _window_stats(h, noisy, x[0, 1:], chunk=64, head=ev._head)
+    full = window_stats(ev._head(h), ev._head(noisy), x[0, 1:], chunk=64)
+    chunked = window_stats(h, noisy, x[0, 1:], chunk=64, head=ev._head)
     assert full.keys() == chunked.keys() and full["top1"] == chunked["top1"] and full["n"] == 199
     for k in ("nll_q", "nll_f", "kl"):
         assert chunked[k] == pytest.approx(full[k], rel=1e-6)
@@ -516,7 +516,7 @@ def test_interrupted_perplexity_cell_resumes_after_its_saved_windows(lm, tmp_pat
     want = json.loads((fresh / "smollm2" / "ppl" / "tq_mse3__none__T64x3.json").read_text())
 
     calls = []
-    real = runner._window_stats
+    real = runner.window_stats
 
     class Stop(Exception):
         pass
@@ -530,7 +530,7 @@ def test_interrupted_perplexity_cell_resumes_after_its_saved_windows(lm, tmp_pat
             raise Stop
         return real(*a, **k)
 
-    monkeypatch.setattr(runner, "_window_stats", stop_at_second)
+    monkeypatch.setattr(runner, "window_stats", stop_at_second)
     with pytest.raises(Stop):
         runner.run_grid("smollm2", ["tq_mse3"], tmp_path, **kw)
     cell = tmp_path / "smollm2" / "ppl" / "tq_mse3__none__T64x3.json"

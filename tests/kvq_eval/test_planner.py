@@ -44,11 +44,11 @@ def ev():
 @pytest.mark.model
 def test_layer_cell_is_the_full_forward_with_one_layer_simulated(ev):
     """Starting from the cached input states of layer l equals running every layer from the token
-    ids (bit for bit), and the cell's NLL sums are runner._window_stats's."""
+    ids (bit for bit), and the cell's NLL sums are scores.window_stats's."""
     import torch
 
     from kvq_eval.planfile import layer_spec
-    from kvq_eval.runner import _window_stats
+    from kvq_eval.scores import window_stats
     from kvq_eval.sensitivity import _hidden_from, _stats, layer_inputs, window_ids
 
     ids = window_ids("smollm2", "calibration", 64, 2, False)[1]
@@ -59,7 +59,7 @@ def test_layer_cell_is_the_full_forward_with_one_layer_simulated(ev):
     st = _stats(ev, ids, fast, 1)
     assert st["dnll"] == (st["nll_q"] - st["nll_f"]) / 63 and st["kl_per_token"] == st["kl"] / 63 > 0
     every3 = _stats(ev, ids, fast, 3)  # predictions 2, 5, ..., 62 of the 63
-    full = _window_stats(ev._reference(ids)[2::3], fast[2::3], ids[0, 1:][2::3], head=ev._head)
+    full = window_stats(ev._reference(ids)[2::3], fast[2::3], ids[0, 1:][2::3], head=ev._head)
     assert every3["n"] == 21 and (every3["nll_q"], every3["kl"]) == (full["nll_q"], full["kl"])
 
 

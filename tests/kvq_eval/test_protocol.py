@@ -250,12 +250,12 @@ def test_window_stats_against_direct_formulas():
     import torch
     from scipy.special import log_softmax
 
-    from kvq_eval.runner import POSITION_BINS, _window_stats
+    from kvq_eval.scores import POSITION_BINS, window_stats
 
     rng = np.random.default_rng(0)
     ref, out = rng.standard_normal((40, 7)), rng.standard_normal((40, 7))
     target = rng.integers(0, 7, 40)
-    s = _window_stats(torch.from_numpy(ref), torch.from_numpy(out), torch.from_numpy(target))
+    s = window_stats(torch.from_numpy(ref), torch.from_numpy(out), torch.from_numpy(target))
     lp, lq = log_softmax(ref, -1), log_softmax(out, -1)
     nf, nq = -lp[np.arange(40), target], -lq[np.arange(40), target]
     kl = (np.exp(lp) * (lp - lq)).sum(-1)
@@ -264,10 +264,10 @@ def test_window_stats_against_direct_formulas():
     assert s["top1"] == int((ref.argmax(-1) == out.argmax(-1)).sum())
     assert len(s["dnll_bins"]) == POSITION_BINS
     assert np.mean(s["dnll_bins"][:8]) == pytest.approx((nq - nf)[:24].mean(), rel=1e-12)  # 8 bins of 3
-    chunked = _window_stats(torch.from_numpy(ref), torch.from_numpy(out), torch.from_numpy(target), chunk=7)
+    chunked = window_stats(torch.from_numpy(ref), torch.from_numpy(out), torch.from_numpy(target), chunk=7)
     assert chunked["top1"] == s["top1"] and chunked["kl"] == pytest.approx(s["kl"], rel=1e-12)
     assert chunked["dnll_bins"] == pytest.approx(s["dnll_bins"], rel=1e-12)
-    same = _window_stats(torch.from_numpy(ref), torch.from_numpy(ref), torch.from_numpy(target))
+    same = window_stats(torch.from_numpy(ref), torch.from_numpy(ref), torch.from_numpy(target))
     assert same["kl"] == 0.0 and same["top1"] == 40 and same["nll_q"] == same["nll_f"]
 
 
@@ -277,7 +277,7 @@ def test_window_stats_against_direct_formulas():
 @example(20, 7, 3, 2053, 2, True)
 @settings(max_examples=40, deadline=None)
 def test_window_stats_buffered_rows_equal_whole_chunks_bit_for_bit(n, chunk, rows, vocab, seed, ties):
-    """``_window_stats`` runs its float64 work a few positions at a time in reused buffers (5.1x
+    """``window_stats`` runs its float64 work a few positions at a time in reused buffers (5.1x
     faster on Gemma's vocabulary, benchmarks/results/eval_stats.json); every operation is row-wise, so each sum is the whole chunk's
     bit for bit, for any row count, chunk, vocabulary size (odd, past the vector width, and past
     torch's 32768-element grain, where a lone row would be summed in per-thread parts: two threads
@@ -286,7 +286,7 @@ def test_window_stats_buffered_rows_equal_whole_chunks_bit_for_bit(n, chunk, row
     form) must pick the first of them in both."""
     import torch
 
-    from kvq_eval import runner
+    from kvq_eval import scores
 
     threads = torch.get_num_threads()
     torch.set_num_threads(max(2, threads))
@@ -296,12 +296,12 @@ def test_window_stats_buffered_rows_equal_whole_chunks_bit_for_bit(n, chunk, row
     target = torch.randint(0, vocab, (n,), generator=g)
     if ties:
         ref, out = torch.round(ref), torch.round(out)
-    old, runner._STATS_ROWS = runner._STATS_ROWS, rows
+    old, scores._STATS_ROWS = scores._STATS_ROWS, rows
     try:
-        s = runner._window_stats(ref, out, target, chunk=chunk)
-        direct = runner._window_stats_direct(ref, out, target, chunk=chunk)
+        s = scores.window_stats(ref, out, target, chunk=chunk)
+        direct = scores.window_stats_direct(ref, out, target, chunk=chunk)
     finally:
-        runner._STATS_ROWS = old
+        scores._STATS_ROWS = old
         torch.set_num_threads(threads)
     assert s == direct  # every float exactly: tolerance 0
 
@@ -388,9 +388,9 @@ def test_calibration_tables_attach_a_cached_round_robin_calibration(tmp_path, mo
 def test_row_pieces_cover_the_rows_without_a_lone_row(n, size):
     """Consecutive pieces cover [0, n), none longer than size + 1, and none of one row unless
     there is one row (or pieces of one row are asked for)."""
-    from kvq_eval.runner import _row_pieces
+    from kvq_eval.scores import row_pieces
 
-    pieces = _row_pieces(n, size)
+    pieces = row_pieces(n, size)
     assert [a for a, _ in pieces] == [0] + [b for _, b in pieces[:-1]] and pieces[-1][1] == n
     assert all(1 <= b - a <= size + 1 for a, b in pieces)
     assert all(b - a > 1 for a, b in pieces) or n == 1 or size == 1
