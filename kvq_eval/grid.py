@@ -205,8 +205,8 @@ def recent_median(records, latest: int = RECENT) -> float:
 
     ``finished`` is ``provenance.finished()``'s UTC time (text that sorts in time order), or None for
     a record made before it was kept. Where any record is dated only dated ones count: records
-    made by older code (an 8K perplexity window took twice as long before e19507b, a needle entry 2-7x
-    before the fused encoders) or while the machine ran something else would overstate what is left.
+    made by older code (an 8K perplexity window took about twice as long before e19507b) or while the
+    machine ran something else would overstate what is left.
     Undated records are all used where none is dated.
     """
     import statistics
