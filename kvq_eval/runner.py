@@ -28,7 +28,8 @@ Tasks
 Results go to ``OUT/<model>/<task>/<cell>.json``. A run computes only what is missing; a needle
 cell gains the entries a later run adds (same sample: its keys, values and prompt length must
 match). Calibrated methods record ``calib_tokens``; an entry made with another length is
-recomputed. Every entry records its band, stored bits (``kvq_eval.accounting``), wall time and
+recomputed. Every entry records its band, stored bits (``kvq_eval.accounting``), wall time, when it
+finished (UTC, ``provenance.finished``: dry-run estimates price from the newest records) and
 ``provenance`` (protocol, code commit, threads, versions, calibration artifact digests).
 """
 
