@@ -405,7 +405,8 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--check", action="store_true", help="only compare: exit 1 when a table is stale")
     m.set_defaults(func=_cmd_readme)
     w = sub.add_parser("recommend", help="the cheapest stored-bits setting within perplexity targets (upper end of "
-                       "the 95%% interval), with and without a 16-bit band, and its needle recall (Markdown)")
+                       "the 95%% interval), with and without a 16-bit band, its needle recall, and the joint pick whose "
+                       "bound holds through the search (Bonferroni over the entries) (Markdown)")
     w.add_argument("results", nargs="?", default="results/eval_v3", help="results folder (the --out of run)")
     w.add_argument("--model", default="smollm2")
     w.add_argument("--targets", default="0.5,1,3", help="perplexity increases over fp32, in %% (comma list)")

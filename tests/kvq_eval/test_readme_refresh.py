@@ -8,6 +8,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from kvq_eval.cli import main
@@ -77,6 +78,57 @@ def test_recommend_uses_the_upper_end_of_the_interval(folder):
         recommend(load_results(folder, "smollm2"), (0.0,))
     assert [(x["entry"], x["candidates"]) for x in recommend(load_results(folder, "smollm2"), (1.0,), tokens=1024)] \
         == [(None, 0), (None, 0)]
+
+
+def test_the_joint_pick_widens_every_bound_by_the_number_of_entries(tmp_path):
+    """The joint pick's bounds are the upper ends of 1 - 0.05 / N t intervals (N: the entries of the
+    band class with enough windows), computed here from scipy's t quantile: an entry that meets the
+    target at 95 % alone can miss it jointly, and then a dearer one is the joint pick."""
+    from scipy.stats import t as student_t
+
+    root = tmp_path / "smollm2"
+    near = [0.0073, 0.0088, 0.0068, 0.0083]  # +0.78 %; 95 % upper end +0.93 %, jointly over 3 +1.007 %
+    _write(root, "ppl/a.json", _ppl("tq_mse3@none", near, 3.1))
+    _write(root, "ppl/b.json", _ppl("tq_mse4@none", [0.001, 0.0012, 0.0008, 0.001], 4.1))
+    _write(root, "ppl/c.json", _ppl("tq_mse2@none", [0.05, 0.06, 0.04, 0.05], 2.1))
+    rows = {(r["target"], r["band"]): r for r in recommend(load_results(tmp_path, "smollm2"), (1.0,))}
+    r = rows[(1.0, "none")]
+    d = np.array(near)
+    q = student_t.ppf(1 - 0.05 / 3 / 2, 3)
+    upper = 100 * math.expm1(d.mean() + q * d.std(ddof=1) / 2)
+    assert r["entry"] == "tq_mse3@none" and r["ci"][1] <= 1.0 < upper
+    assert r["candidates"] == 3 and r["joint"]["entry"] == "tq_mse4@none" and r["joint"]["bits"] == 4.1
+    e = np.array([0.001, 0.0012, 0.0008, 0.001])
+    assert r["joint"]["upper"] == pytest.approx(100 * math.expm1(e.mean() + q * e.std(ddof=1) / 2), rel=1e-12)
+    table = recommend_table(load_results(tmp_path, "smollm2"), (1.0, 0.01))
+    assert "| tq_mse4@none: 4.10, ≤ +0." in table and "(of 3) |" in table and "| none of 3 |" in table
+
+
+def test_the_joint_pick_keeps_its_error_rate_through_the_selection():
+    """Monte Carlo, seed 0: 20 settings whose true perplexity change is exactly the target (7 normal
+    windows each). Each passes its own 95 % bound with probability 2.5 %, so the per-setting pick
+    names one of them (wrongly: none is within the target) about 1 - 0.975^20 = 40 % of the time;
+    the joint pick at most 2.5 % of the time. 1000 trials: the standard error of a 2.5 % rate is
+    0.49 %, so the bound checked is 2.5 % + 3 SE, and the per-setting rate must exceed 25 %
+    (its expected 40 % less 30 SE of 1.5 %)."""
+    from kvq_eval.methods import METHODS
+
+    names = sorted(m for m in METHODS if m != "identity")[:20]
+    rng = np.random.default_rng(0)
+    tau = 1.0
+    mu, sigma, trials = math.log1p(tau / 100), 0.002, 1000
+    wrong = np.zeros(2)
+    for _ in range(trials):
+        res = {"ppl": {}, "niah": []}
+        for i, name in enumerate(names):
+            d = rng.normal(mu, sigma, 7)
+            res["ppl"][f"{name}@none"] = {8192: {
+                "windows": [{"n": 8191, "nll_q": (2.0 + x) * 8191, "nll_f": 2.0 * 8191, "kl": 1.0, "top1": 1}
+                            for x in d], "bits_per_element": 2.0 + i / 10, "band_pairs": 0.0}}
+        r = recommend(res, (tau,))[0]
+        wrong += [r["entry"] is not None, r["joint"] is not None]
+    rate = wrong / trials
+    assert rate[0] > 0.25 and rate[1] <= 0.025 + 3 * math.sqrt(0.025 * 0.975 / trials), rate
 
 
 def test_recommend_table_says_how_many_cells_missed_the_target(folder):
