@@ -146,7 +146,7 @@ def _dry_run(kw: dict, calib_tokens: int) -> int:
     elif todo:
         print(f"  about {seconds / 3600:.1f} hours at the speeds this folder's cells recorded last (median wall time "
               f"of the newest {RECENT} records per perplexity window, needle entry and layers cell, of the same "
-              f"method where it has one)"
+              f"method where it has one), for one process: processes side by side (--ray) share it"
               + (f"; {unknown} cell(s) of a kind with no record yet not counted" if unknown else ""))
     return 0
 
