@@ -399,8 +399,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="needle variant of the paired needle samples (default single; 'all' pools them)")
     k.set_defaults(func=_cmd_compare)
     m = sub.add_parser("readme", help="recompute the marked tables of Markdown files (README, docs) from the JSON")
-    m.add_argument("files", nargs="*", default=["README.md", "docs/evaluation.md"],
-                   help="Markdown files with '<!-- kvq-eval ... -->' markers (default: README.md docs/evaluation.md)")
+    m.add_argument("files", nargs="*", default=["README.md", "docs/evaluation.md", "docs/plan.md"],
+                   help="Markdown files with '<!-- kvq-eval ... -->' markers (default: README.md docs/evaluation.md "
+                        "docs/plan.md)")
     m.add_argument("--results", default="results/eval_v3", help="results folder (the --out of run)")
     m.add_argument("--check", action="store_true", help="only compare: exit 1 when a table is stale")
     m.set_defaults(func=_cmd_readme)

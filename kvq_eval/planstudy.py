@@ -19,7 +19,8 @@
 4. records where the bits went (keys and values per layer).
 
 Everything lands in ``<out>/<model>/study.json`` (written whole; the cells it reads are under
-``<out>/<model>/``); ``plot_study`` draws the chart from that JSON alone.
+``<out>/<model>/``); ``plot_study`` draws the chart and ``study_table`` the README's table from that
+JSON alone.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import numpy as np
 
 from .models import slug
 
-__all__ = ["run_study", "uniform_settings", "baseline_gaps", "plot_study", "NEEDLE_DEPTHS"]
+__all__ = ["run_study", "uniform_settings", "baseline_gaps", "plot_study", "study_table", "NEEDLE_DEPTHS"]
 
 NEEDLE_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 
@@ -247,3 +248,41 @@ def plot_study(study_path, prefix) -> list[Path]:
     plt.close(fig)
     return [out]
 
+
+def _pct_ci(dppl: float, ci) -> str:
+    return f"{dppl:+.2f}% [{ci[0]:+.2f}, {ci[1]:+.2f}]"
+
+
+def study_table(study: dict) -> str:
+    """The study (``run_study``'s JSON) as a Markdown table, one row per target: the plan's stored
+    bits and held-out perplexity change (t interval over windows), the cheapest uniform setting
+    meeting the same target with its bits, the bits the plan saves, the paired window test of plan
+    against uniform (perplexity ratio, 95 % t interval, the windows both hold), and single-needle
+    exact match of both per needle context. ``KeyError``/``TypeError`` on a JSON that is not a study
+    (``kvq_eval.readme`` names the file)."""
+    from .plot import _ctx
+
+    contexts = [str(c) for c in study["needle_contexts"]] if study["needles"] else []
+    tokens = _ctx(study["context"])
+    head = ["target", "plan: stored bits", f"plan Δppl {tokens} held-out [95% t-CI] (windows)", "within target",
+            "cheapest uniform setting (stored bits)", "bits saved", f"plan vs uniform, paired {tokens} [95% t-CI] (windows)"]
+    head += [f"needle exact {_ctx(int(c))}: plan / uniform (n)" for c in contexts]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in study["targets"]:
+        plan, base, held = row["plan"], row["uniform"], row["plan"]["heldout"]
+        cells = [f"≤ {row['target_pct']:g} %", f"{plan['bits']:.2f}",
+                 "–" if held is None else f"{_pct_ci(held['dppl'], held['ci'])} ({held['windows']})",
+                 "–" if held is None else ("yes" if plan["heldout_meets_target"] else "no")]
+        if base is None:
+            cells += ["none meets it", "–", "–"]
+        else:
+            paired = row.get("paired") or {}
+            cells += [f"{base['entry']} ({base['bits']:.2f})", f"{row['uniform_bits_saved']:+.2f}",
+                      "–" if "ci" not in paired else
+                      f"{_pct_ci(paired['ratio_pct'], [100 * np.expm1(x) for x in paired['ci']])} ({paired['windows']})"]
+        for c in contexts:
+            got = [row["needles"].get(e, {}).get(c) for e in (plan["entry"], base["entry"] if base else None)]
+            cells.append("–" if got[0] is None else f"{got[0]['exact']:.2f} / "
+                         + ("–" if got[1] is None else f"{got[1]['exact']:.2f}") + f" ({got[0]['n']})")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)

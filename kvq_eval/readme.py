@@ -15,7 +15,10 @@ every unmarked table are left as they are. Markers:
 - ``<!-- kvq-eval recommend MODEL -->``: ``kvq-eval recommend`` (``kvq_eval.recommend``);
 - ``<!-- kvq-eval overlap MODEL CTX[,CTX...] -->``: how much haystack filler the grid's 30 needle
   samples of each context share (``niah.filler_overlap`` with the model's tokenizer, single needle,
-  the grid's depths and samples).
+  the grid's depths and samples);
+- ``<!-- kvq-eval study MODEL -->``: the planner's study of that model (``planstudy.study_table``),
+  read from ``plan/MODEL/study.json`` beside the results folder (``results/plan`` for
+  ``results/eval_v3``), or a row saying that the study has not been run while that file is absent.
 
 Anything the JSON cannot give (an entry without results, a column the command does not print) raises
 ``ValueError`` naming the file and line; the file is then left as it was.
@@ -34,7 +37,7 @@ from .recommend import recommend_table
 __all__ = ["refresh_markdown", "refresh_file"]
 
 Results = Callable[[str], dict]  # model -> load_results of that model, loaded once
-_MARK = re.compile(r"^<!-- kvq-eval (table|compare|recommend|overlap) (.+?) -->$")
+_MARK = re.compile(r"^<!-- kvq-eval (table|compare|recommend|overlap|study) (.+?) -->$")
 GRID_DEPTHS, GRID_SAMPLES = (0.1, 0.3, 0.5, 0.7, 0.9), 6  # make eval's needles (30 per context)
 _TABLE = re.compile(r"^(\w+)(?: (single|multiquery|decode|-))?(?: (all|filled))?$")
 _COMPARE = re.compile(r"^(\w+) (\S+) (\S+) (ppl|needles)(?: (single|multiquery|all))?$")
@@ -92,7 +95,7 @@ def _entry_table(old: list[list[str]], gen: list[list[str]], rows_from: str | No
     return _table(header, [[r[i] for i in idx] for r in rows])
 
 
-def _generate(kind: str, args: str, old: list[list[str]], results: Results, where: str) -> list[str]:
+def _generate(kind: str, args: str, old: list[list[str]], results: Results, where: str, plans: Path) -> list[str]:
     if kind == "table":
         m = _TABLE.match(args)
         if not m:
@@ -120,10 +123,30 @@ def _generate(kind: str, args: str, old: list[list[str]], results: Results, wher
         if not m:
             raise ValueError(f"{where}: expected '<!-- kvq-eval overlap MODEL CTX[,CTX...] -->'")
         return _parse(overlap_table(m.group(1), [int(c) for c in m.group(2).split(",")]))
+    if kind == "study":
+        if not re.fullmatch(r"\w+", args.strip()):
+            raise ValueError(f"{where}: expected '<!-- kvq-eval study MODEL -->'")
+        return _parse(study_markdown(plans / args.strip() / "study.json"))
     model = args.strip()
     if not re.fullmatch(r"\w+", model):
         raise ValueError(f"{where}: expected '<!-- kvq-eval recommend MODEL -->'")
     return _parse(recommend_table(results(model)))
+
+
+def study_markdown(path: Path) -> str:
+    """``planstudy.study_table`` of the study JSON at ``path``, or a one-row table saying that it has
+    not been run while ``path`` is absent; ``ValueError`` naming the file when it is not a study."""
+    import json
+
+    from .planstudy import study_table
+
+    if not path.is_file():
+        return ("| target | plan |\n|---|---|\n"
+                f"| – | the study has not been run: no {path.parent.name}/{path.name} yet (`make plan-study`) |")
+    try:
+        return study_table(json.loads(path.read_text()))
+    except (ValueError, KeyError, TypeError, IndexError) as exc:
+        raise ValueError(f"{path}: not a kvq-plan study ({type(exc).__name__}: {exc})") from None
 
 
 def overlap_table(model: str, contexts) -> str:
@@ -185,7 +208,8 @@ def refresh_markdown(text: str, results_dir, name: str = "README.md") -> str:
         while k < len(lines) and lines[k].startswith("|"):
             k += 1
         out.extend(lines[i:j])  # the blank lines between marker and table
-        rows = _generate(m.group(1), m.group(2), _parse("\n".join(lines[j:k])), results, where)
+        rows = _generate(m.group(1), m.group(2), _parse("\n".join(lines[j:k])), results, where,
+                         Path(results_dir).parent / "plan")
         out.extend(_table(rows[0], rows[1:]) if m.group(1) != "table" else rows)
         i = k
     return "\n".join(out)

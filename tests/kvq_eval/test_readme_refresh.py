@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "results" / "eval_v3"
 
 
-@pytest.mark.parametrize("name", ["README.md", "docs/evaluation.md"])
+@pytest.mark.parametrize("name", ["README.md", "docs/evaluation.md", "docs/plan.md"])
 def test_the_committed_files_are_current(name):
     path = ROOT / name
     text = path.read_text()
@@ -207,3 +207,48 @@ def test_marked_tables_are_rebuilt_and_others_kept(folder, tmp_path, capsys):
 def test_what_the_json_cannot_give_is_named(folder, text, match):
     with pytest.raises(ValueError, match=match):
         refresh_markdown(text, folder, "page.md")
+
+
+def _study():
+    """A crafted ``kvq-plan study`` JSON: a plan that beats its uniform baseline at 1 %, and one at
+    0.5 % without a held-out cell or a uniform setting meeting the target."""
+    needles = {"plan:a": {"4096": {"n": 30, "exact": 0.9}, "8192": {"n": 30, "exact": 0.8}},
+               "tq_mse4@0,64": {"4096": {"n": 30, "exact": 0.95}}}
+    return {"model": "smollm2", "context": 8192, "needles": 30, "needle_contexts": [4096, 8192], "targets": [
+        {"target_pct": 1.0, "plan": {"entry": "plan:a", "bits": 3.4567, "heldout_meets_target": True,
+                                     "heldout": {"dppl": 0.5, "ci": [0.25, 0.75], "windows": 7}},
+         "uniform": {"entry": "tq_mse4@0,64", "bits": 4.43, "dppl": 0.77, "ci": [0.47, 0.99], "windows": 7},
+         "uniform_bits_saved": 4.43 - 3.4567,
+         "paired": {"windows": 7, "ratio_pct": -0.2, "ci": [math.log1p(-0.004), math.log1p(0.0)]}, "needles": needles},
+        {"target_pct": 0.5, "plan": {"entry": "plan:b", "bits": 5.0, "heldout_meets_target": None, "heldout": None},
+         "uniform": None, "needles": {}}]}
+
+
+def test_the_study_table_comes_from_the_study_json(tmp_path):
+    """``<!-- kvq-eval study MODEL -->`` renders ``results/plan/MODEL/study.json`` (beside the results
+    folder): every number from the JSON, the paired interval back from nats to %; before the study
+    exists it says so; a JSON that is not a study is refused naming the file."""
+    results = tmp_path / "eval_v3"
+    (results / "smollm2").mkdir(parents=True)
+    page = "# P\n\n<!-- kvq-eval study smollm2 -->\n| x |\n|---|\n| stale |\n\nAfter.\n"
+    out = refresh_markdown(page, results, "page.md")
+    assert "| – | the study has not been run: no smollm2/study.json yet (`make plan-study`) |" in out
+    assert out.endswith("\n\nAfter.\n") and "stale" not in out
+    path = tmp_path / "plan" / "smollm2" / "study.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(_study()))
+    out = refresh_markdown(page, results, "page.md")
+    rows = _parse_rows(out)
+    assert rows[0][:4] == ["target", "plan: stored bits", "plan Δppl 8K held-out [95% t-CI] (windows)", "within target"]
+    assert rows[1] == ["≤ 1 %", "3.46", "+0.50% [+0.25, +0.75] (7)", "yes", "tq_mse4@0,64 (4.43)", "+0.97",
+                       "-0.20% [-0.40, +0.00] (7)", "0.90 / 0.95 (30)", "0.80 / – (30)"]
+    assert rows[2] == ["≤ 0.5 %", "5.00", "–", "–", "none meets it", "–", "–", "–", "–"]
+    assert refresh_markdown(out, results, "page.md") == out  # a fixed point
+    path.write_text(json.dumps({"model": "smollm2"}))
+    with pytest.raises(ValueError, match="study.json: not a kvq-plan study"):
+        refresh_markdown(page, results, "page.md")
+
+
+def _parse_rows(text):
+    return [[c.strip() for c in line.strip().strip("|").split("|")] for line in text.splitlines()
+            if line.startswith("|") and not set(line) <= set("|-: ")]
