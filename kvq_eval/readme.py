@@ -173,7 +173,8 @@ def refresh_markdown(text: str, results_dir, name: str = "README.md") -> str:
     text : str
         A Markdown file's content.
     results_dir : str or Path
-        The results folder (``results/eval_v3``), one subfolder per model.
+        The results folder (``results/eval_v3``), one subfolder per model; study markers read
+        ``plan/`` beside it.
     name : str
         The file's name, for error messages.
 
