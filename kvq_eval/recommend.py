@@ -27,7 +27,7 @@ __all__ = ["recommend", "recommend_table", "TARGETS", "BAND_CLASSES"]
 TARGETS = (0.5, 1.0, 3.0)
 BAND_CLASSES = ("none", "any")
 MIN_WINDOWS = 4  # fewer windows give no usable upper bound (t_{n-1} grows fast below 4)
-LEVEL = 0.95  # two-sided level of each entry's interval; the joint pick's is 1 - (1 - LEVEL) / N
+LEVEL = 0.95  # the entries' own intervals (plot.ppl_summary, 95 %); the joint pick's are 1 - (1 - LEVEL) / N
 
 
 def _in_class(entry: str, cls: str) -> bool:
