@@ -36,9 +36,10 @@ eval-deps: $(STAMP)
 # covers the context (2 x 8192 tokens). Then quantized prefill and a 512-token decode, and the
 # key-error study (K/V bit splits, mean-centred keys, recent-token windows; per-layer errors).
 # Several CPU-days on 2 cores: run it on a Ray cluster with RAY=local (this machine) or RAY=auto
-# (a running cluster) or an address. REUSE=results/eval_v2 copies what an older folder holds on the
-# same inputs first (kvq-eval run --reuse). `make eval DRY=1` computes nothing: each run lists the
-# (task, entry) pairs it still misses. A test checks that every committed cell of results/eval_v3
+# (a running cluster) or an address. REUSE=FOLDER copies what an older results folder holds on the
+# same inputs first (kvq-eval run --reuse; protocol v2's results/eval_v2 is one, in git history at
+# commit f2730d8). `make eval DRY=1` computes nothing: each run lists the (task, entry) pairs it
+# still misses. A test checks that every committed cell of results/eval_v3
 # is a cell of this grid, so this target regenerates all of them.
 EVAL_OUT := results/eval_v3
 EVAL_RUN  = $(VENV)/bin/kvq-eval run $(if $(RAY),--ray $(RAY)) $(if $(DRY),--dry-run) $(if $(REUSE),--reuse $(REUSE)) \

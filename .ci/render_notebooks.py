@@ -6,7 +6,7 @@ Usage (from the repository root; ``make notebooks`` runs it)::
 
 Each ``notebooks/NN_*.py`` is read with jupytext, executed by nbclient in a ``python3`` kernel of this
 interpreter with the repository root as working directory (the notebooks use paths such as
-``results/eval_v2``), and written with its outputs and inline figures to ``OUT/NN_*.ipynb``. A failing
+``results/eval_v3``), and written with its outputs and inline figures to ``OUT/NN_*.ipynb``. A failing
 cell stops the run with a non-zero exit status and the cell's traceback.
 """
 
