@@ -39,8 +39,8 @@ eval-deps: $(STAMP)
 # (a running cluster) or an address. REUSE=FOLDER copies what an older results folder holds on the
 # same inputs first (kvq-eval run --reuse; protocol v2's results/eval_v2 is one, in git history at
 # commit f2730d8). `make eval DRY=1` computes nothing: each run lists the (task, entry) pairs it
-# still misses. A test checks that every committed cell of results/eval_v3
-# is a cell of this grid, so this target regenerates all of them.
+# still misses. A test checks that every committed cell of results/eval_v3 is a cell of this grid,
+# so this target regenerates all of them.
 EVAL_OUT := results/eval_v3
 EVAL_RUN  = $(VENV)/bin/kvq-eval run $(if $(RAY),--ray $(RAY)) $(if $(DRY),--dry-run) $(if $(REUSE),--reuse $(REUSE)) \
 	--out $(EVAL_OUT) --calib-tokens 8192
