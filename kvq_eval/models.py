@@ -188,11 +188,36 @@ def load_model(name: str = "smollm2"):
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         model.hf_quantizer = None  # lets save_pretrained write the dequantized float32 weights
-        fp32.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(fp32)
-        tok.save_pretrained(fp32)
+        _save_copy(fp32, model, tok)
     model.eval()
     return model, tok, info
+
+
+def _save_copy(folder: Path, model, tok) -> None:
+    """Write the float32 copy into a private folder beside ``folder`` and rename it into place.
+
+    Processes that start side by side on a fresh machine (two queue workers, Ray tasks) each build
+    the copy; writing it in place let one of them read another's half-written shards, and a killed
+    save left a folder that passed the ``config.json`` check. A rename is atomic: ``folder`` is
+    either absent or whole. The first rename wins; a later one finds the folder whole and drops its
+    own copy (the same bytes).
+    """
+    import shutil
+    import tempfile
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        try:
+            os.rename(tmp, folder)
+        except OSError:  # it exists: whole (another process won), or left by a save before this one
+            if not (folder / "config.json").is_file():
+                shutil.rmtree(folder, ignore_errors=True)
+                os.rename(tmp, folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def load_tokenizer(name: str = "smollm2"):
