@@ -208,6 +208,7 @@ def _save_copy(folder: Path, model, tok) -> None:
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
+        tmp.chmod(0o755)  # mkdtemp's 0700 would follow the rename: the copy reads like one made by mkdir
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         try:
