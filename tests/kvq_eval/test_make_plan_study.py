@@ -1,0 +1,66 @@
+"""``make plan-study`` regenerates every committed cell of ``results/plan/``: the sensitivity and joint
+cells are committed as they arrive (the study takes CPU-days, and a run resumes from them on any
+machine), so each must be a cell of the Makefile's study with that study's settings."""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from kvq_eval.plancli import _config, _parser
+from kvq_eval.sensitivity import _read, joint_units, layer_units, read_cell
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _study_configs():
+    """(config, out folder) of each ``kvq-plan study`` line of ``make plan-study``'s recipe (printed by
+    ``make -n``, not run)."""
+    lines = subprocess.run(["make", "-n", "-s", "-C", str(ROOT), "plan-study"], capture_output=True, text=True,
+                           check=True).stdout.splitlines()
+    found = []
+    for line in lines:
+        argv = shlex.split(line, comments=True)
+        for i, a in enumerate(argv[:-1]):
+            if a.endswith("kvq-plan") and argv[i + 1] == "study":
+                args = _parser().parse_args(argv[i + 1:])
+                target = float(args.targets.split(",")[0])  # every target shares the cells
+                found.append((_config(args, target), ROOT / args.out))
+    return found
+
+
+def test_make_plan_study_names_both_models():
+    models = sorted(cfg.model for cfg, _ in _study_configs())
+    assert models == ["gemma3", "smollm2"]
+
+
+def test_make_plan_study_plans_every_committed_cell():
+    committed = sorted((ROOT / "results" / "plan").glob("*/cells/**/*.json"))
+    if not committed:
+        pytest.skip("no planner cells committed yet")
+    planned: dict[Path, dict] = {}
+    joint_folders: dict[Path, tuple] = {}
+    for cfg, out in _study_configs():
+        for u in layer_units(cfg.model, out, cfg.band, cfg.measured, cfg.context, cfg.calib_windows, cfg.stride):
+            planned[u["path"]] = u
+        # a joint cell's folder is one of the validation or model-check windows; its table is its own
+        for text, count, spread in (("long_haystack", cfg.valid_windows, True), ("calibration", cfg.calib_windows, False)):
+            for u in joint_units(cfg.model, out, cfg.band, [], cfg.context, count, cfg.stride, text=text, spread=spread):
+                joint_folders[u["path"].parent] = (cfg, out, text, count, spread, u["window"]["index"])
+    stray = []
+    for f in committed:
+        if f in planned:
+            read_cell(planned[f])  # ValueError naming the file when its settings are not the study's
+        elif f.name.startswith("joint-") and f.parent in joint_folders:
+            cfg, out, text, count, spread, index = joint_folders[f.parent]
+            layers = _read(f)["layers"]
+            u = joint_units(cfg.model, out, cfg.band, layers, cfg.context, count, cfg.stride, text=text,
+                            spread=spread)[index]
+            assert u["path"] == f, f"{f}: its table's digest is not its name"
+            read_cell(u)
+        else:
+            stray.append(str(f.relative_to(ROOT)))
+    assert not stray, f"committed cells that make plan-study would not regenerate: {stray}"
