@@ -41,8 +41,14 @@ eval-deps: $(STAMP)
 # commit f2730d8). `make eval DRY=1` computes nothing: each run lists the (task, entry) pairs it
 # still misses. A test checks that every committed cell of results/eval_v3 is a cell of this grid,
 # so this target regenerates all of them.
+# One thread per process for the grid's and the study's runs (Ray gives each worker one; these targets
+# pin serial runs the same way): two processes each using every core spent much of their time waiting
+# on each other's BLAS threads (2x slower, measured here), and torch's float32 sums, so a cell's last
+# bits, depend on the thread count (every entry records it; the 8K needle prompts, whose entries are
+# added run by run, were all made with one thread).
+ONE_THREAD := OMP_NUM_THREADS=1
 EVAL_OUT := results/eval_v3
-EVAL_RUN  = $(VENV)/bin/kvq-eval run $(if $(RAY),--ray $(RAY)) $(if $(DRY),--dry-run) $(if $(REUSE),--reuse $(REUSE)) \
+EVAL_RUN  = $(ONE_THREAD) $(VENV)/bin/kvq-eval run $(if $(RAY),--ray $(RAY)) $(if $(DRY),--dry-run) $(if $(REUSE),--reuse $(REUSE)) \
 	--out $(EVAL_OUT) --calib-tokens 8192
 EVAL_2TO4 := tq_mse2,tq_mse3,tq_mse4,tq_prod3,tq_prod4,tq_split2.5,tq_split3.5,qjl,polarquant,kivi2,kivi4,quarot2,quarot4,turbo3,turbo4,oscar,nova,quarot2_official,quarot4_official,oscar_official,nova_official
 NEEDLES := --depths 0.1,0.3,0.5,0.7,0.9 --samples 6
@@ -68,7 +74,7 @@ eval: $(STAMP)
 	$(EVAL_RUN) --model gemma3 --methods tq_k5v3,tq_k8v4 --band none --tasks ppl --ppl-windows 8192x7
 	$(EVAL_RUN) --model gemma3 --methods tq_mse4,tq_k5v3,tq_mse3-mc,tq_mse4-mc,tq_k5v3-mc --band 0,64 --tasks ppl --ppl-windows 8192x7
 	$(EVAL_RUN) --model gemma3 --methods tq_mse4,tq_k5v3 --band 0,256 --tasks ppl --ppl-windows 8192x7
-	[ -n "$(DRY)" ] || for m in smollm2 gemma3; do $(VENV)/bin/kvq-eval sink --model $$m --tokens 2048 --window 64 --bits 3 \
+	[ -n "$(DRY)" ] || for m in smollm2 gemma3; do $(ONE_THREAD) $(VENV)/bin/kvq-eval sink --model $$m --tokens 2048 --window 64 --bits 3 \
 	  --out $(EVAL_OUT)/$$m/sink_tq3_w64.json; done
 	[ -n "$(DRY)" ] || for m in smollm2 gemma3; do $(VENV)/bin/kvq-eval plot $(EVAL_OUT) --model $$m -o $(EVAL_OUT)/$$m || exit 1; done
 	[ -n "$(DRY)" ] || for m in smollm2 gemma3; do $(VENV)/bin/kvq-eval plot $(EVAL_OUT) --model $$m --variant multiquery -o $(EVAL_OUT)/$${m}_multiquery || exit 1; done
@@ -86,7 +92,7 @@ repro: $(STAMP)
 # the cells each model still needs. Gemma-3 scores every 4th position (its 262K-token vocabulary
 # head is most of a cell's cost).
 PLAN_OUT := results/plan
-PLAN_STUDY = $(VENV)/bin/kvq-plan study $(if $(RAY),--ray $(RAY)) $(if $(DRY),--dry-run) --targets 0.5,1,3 \
+PLAN_STUDY = $(ONE_THREAD) $(VENV)/bin/kvq-plan study $(if $(RAY),--ray $(RAY)) $(if $(DRY),--dry-run) --targets 0.5,1,3 \
 	--band 0,64 --candidates tq_mse2-8 --extrapolate-above 5 --baseline $(EVAL_OUT) --out $(PLAN_OUT)
 plan-study: $(STAMP)
 	$(PLAN_STUDY) --model smollm2

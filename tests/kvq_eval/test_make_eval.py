@@ -94,3 +94,12 @@ def test_dry_run_lists_what_is_missing_and_writes_nothing(tmp_path, capsys):
                     ("niah", "single", "1024", "nova@64,256", "1"),
                     ("niah", "single", "1024", "tq_mse3@64,256", "2"), ("niah", "single", "1024", "nova@none", "2")}
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # no log, no cell
+
+
+def test_make_eval_runs_one_thread_per_process():
+    """Every computing line of ``make eval`` pins OMP_NUM_THREADS=1 (the Makefile says why): the
+    entries added to a committed needle prompt must be computed as its other entries were."""
+    lines = [line for line in _make_eval_recipe() if "kvq-eval run" in line or "kvq-eval sink" in line]
+    assert len(lines) >= 10
+    for line in lines:
+        assert line.split("do ", 1)[-1].split()[0] == "OMP_NUM_THREADS=1", line

@@ -64,3 +64,10 @@ def test_make_plan_study_plans_every_committed_cell():
         else:
             stray.append(str(f.relative_to(ROOT)))
     assert not stray, f"committed cells that make plan-study would not regenerate: {stray}"
+
+
+def test_make_plan_study_runs_one_thread_per_process():
+    lines = subprocess.run(["make", "-n", "-s", "-C", str(ROOT), "plan-study"], capture_output=True, text=True,
+                           check=True).stdout.splitlines()
+    study = [line for line in lines if "kvq-plan study" in line]
+    assert len(study) == 2 and all(shlex.split(line)[0] == "OMP_NUM_THREADS=1" for line in study), study
