@@ -16,6 +16,8 @@ every unmarked table are left as they are. Markers:
 - ``<!-- kvq-eval overlap MODEL CTX[,CTX...] -->``: how much haystack filler the grid's 30 needle
   samples of each context share (``niah.filler_overlap`` with the model's tokenizer, single needle,
   the grid's depths and samples);
+- ``<!-- kvq-eval sink FILE MODEL[,MODEL...] -->``: ``sink.sink_table`` of each model's ``kvq-eval
+  sink`` report ``<results>/MODEL/FILE`` (a row of "–" while that file is absent);
 - ``<!-- kvq-eval study MODEL -->``: the planner's study of that model (``planstudy.study_table``),
   read from ``plan/MODEL/study.json`` beside the results folder (``results/plan`` for
   ``results/eval_v3``), or a row saying that the study has not been run while that file is absent.
@@ -37,7 +39,7 @@ from .recommend import recommend_table
 __all__ = ["refresh_markdown", "refresh_file"]
 
 Results = Callable[[str], dict]  # model -> load_results of that model, loaded once
-_MARK = re.compile(r"^<!-- kvq-eval (table|compare|recommend|overlap|study) (.+?) -->$")
+_MARK = re.compile(r"^<!-- kvq-eval (table|compare|recommend|overlap|study|sink) (.+?) -->$")
 GRID_DEPTHS, GRID_SAMPLES = (0.1, 0.3, 0.5, 0.7, 0.9), 6  # make eval's needles (30 per context)
 _TABLE = re.compile(r"^(\w+)(?: (single|multiquery|decode|-))?(?: (all|filled))?$")
 _COMPARE = re.compile(r"^(\w+) (\S+) (\S+) (ppl|needles)(?: (single|multiquery|all))?$")
@@ -95,7 +97,7 @@ def _entry_table(old: list[list[str]], gen: list[list[str]], rows_from: str | No
     return _table(header, [[r[i] for i in idx] for r in rows])
 
 
-def _generate(kind: str, args: str, old: list[list[str]], results: Results, where: str, plans: Path) -> list[str]:
+def _generate(kind: str, args: str, old: list[list[str]], results: Results, where: str, folder: Path) -> list[str]:
     if kind == "table":
         m = _TABLE.match(args)
         if not m:
@@ -123,10 +125,15 @@ def _generate(kind: str, args: str, old: list[list[str]], results: Results, wher
         if not m:
             raise ValueError(f"{where}: expected '<!-- kvq-eval overlap MODEL CTX[,CTX...] -->'")
         return _parse(overlap_table(m.group(1), [int(c) for c in m.group(2).split(",")]))
+    if kind == "sink":
+        m = re.fullmatch(r"([\w.-]+\.json) (\w+(?:,\w+)*)", args.strip())
+        if not m:
+            raise ValueError(f"{where}: expected '<!-- kvq-eval sink FILE.json MODEL[,MODEL...] -->'")
+        return _parse(sink_markdown(folder, m.group(1), m.group(2).split(",")))
     if kind == "study":
         if not re.fullmatch(r"\w+", args.strip()):
             raise ValueError(f"{where}: expected '<!-- kvq-eval study MODEL -->'")
-        return _parse(study_markdown(plans / args.strip() / "study.json"))
+        return _parse(study_markdown(folder.parent / "plan" / args.strip() / "study.json"))
     model = args.strip()
     if not re.fullmatch(r"\w+", model):
         raise ValueError(f"{where}: expected '<!-- kvq-eval recommend MODEL -->'")
@@ -147,6 +154,26 @@ def study_markdown(path: Path) -> str:
         return study_table(json.loads(path.read_text()))
     except (ValueError, KeyError, TypeError, IndexError) as exc:
         raise ValueError(f"{path}: not a kvq-plan study ({type(exc).__name__}: {exc})") from None
+
+
+def sink_markdown(folder: Path, name: str, models) -> str:
+    """``sink.sink_table`` of ``folder/MODEL/name`` for each model (a row of "–" where it is absent);
+    ``ValueError`` naming the file when it is not JSON or not a sink report."""
+    import json
+
+    from .sink import sink_table
+
+    reports = []
+    for model in models:
+        path = folder / model / name
+        try:
+            reports.append((model, json.loads(path.read_text()) if path.is_file() else None))
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{path}: not readable JSON ({exc})") from None
+    try:
+        return sink_table(reports)
+    except ValueError as exc:
+        raise ValueError(f"{folder}/*/{name}: {exc}") from None
 
 
 def overlap_table(model: str, contexts) -> str:
@@ -209,8 +236,7 @@ def refresh_markdown(text: str, results_dir, name: str = "README.md") -> str:
         while k < len(lines) and lines[k].startswith("|"):
             k += 1
         out.extend(lines[i:j])  # the blank lines between marker and table
-        rows = _generate(m.group(1), m.group(2), _parse("\n".join(lines[j:k])), results, where,
-                         Path(results_dir).parent / "plan")
+        rows = _generate(m.group(1), m.group(2), _parse("\n".join(lines[j:k])), results, where, Path(results_dir))
         out.extend(_table(rows[0], rows[1:]) if m.group(1) != "table" else rows)
         i = k
     return "\n".join(out)

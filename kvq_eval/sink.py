@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["outside_weights", "sink_stats", "logit_error", "sink_report", "attention_geometry"]
+__all__ = ["outside_weights", "sink_stats", "logit_error", "sink_report", "sink_table", "attention_geometry"]
 
 
 def _check(q, k, window: int, scale: float, sliding: int | None):
@@ -192,6 +192,40 @@ def sink_report(captured: dict, stats, bits: int, window: int, scales: dict, sli
             "totals": {"err_plain": num["plain"] / den if den else 0.0,
                        "err_centred": num["centred"] / den if den else 0.0,
                        "heads": len(rows), "heads_centring_worse": int(worse)}}
+
+
+SINK_HEADER = ("model", "tokens", "recent window", "bits", "KV heads",
+               "first token's share of the outside weight: median, max", "heads where centring raises the error",
+               "logit error, plain keys", "logit error, mean-centred keys", "ratio")
+
+
+def sink_table(reports) -> str:
+    """Markdown summary of ``sink_report`` results, one row per ``(model, report)`` of ``reports``
+    (``report`` None: a row of "–", not computed yet).
+
+    The shares are over heads (each head's ``sink_share``); the logit errors are the pooled
+    ``totals`` (``logit_error`` weighted by each head's outside attention weight), and ratio is
+    centred over plain. ``ValueError`` when a report lacks a field.
+    """
+    lines = ["| " + " | ".join(SINK_HEADER) + " |", "|" + "---|" * len(SINK_HEADER)]
+    for model, rep in reports:
+        if rep is None:
+            lines.append("| " + " | ".join([model] + ["–"] * (len(SINK_HEADER) - 1)) + " |")
+            continue
+        try:
+            shares = np.array([r["sink_share"] for r in rep["heads"]], dtype=np.float64)
+            tot = rep["totals"]
+            plain, centred = float(tot["err_plain"]), float(tot["err_centred"])
+            cells = [model, str(int(rep["tokens"])), str(int(rep["window"])), str(int(rep["bits"])), str(int(tot["heads"])),
+                     f"{100 * np.median(shares):.1f} %, {100 * shares.max():.1f} %",
+                     f"{int(tot['heads_centring_worse'])} of {int(tot['heads'])}",
+                     f"{plain:.4f}", f"{centred:.4f}", f"{centred / plain:.2f}x" if plain > 0 else "–"]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{model}: not a kvq-eval sink report ({type(exc).__name__}: {exc})") from None
+        if not shares.size:
+            raise ValueError(f"{model}: a kvq-eval sink report with no head")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def attention_geometry(model) -> tuple[dict, dict]:

@@ -252,3 +252,27 @@ def test_the_study_table_comes_from_the_study_json(tmp_path):
 def _parse_rows(text):
     return [[c.strip() for c in line.strip().strip("|").split("|")] for line in text.splitlines()
             if line.startswith("|") and not set(line) <= set("|-: ")]
+
+
+def test_the_sink_table_comes_from_the_sink_reports(tmp_path):
+    """``<!-- kvq-eval sink FILE MODELS -->`` renders each model's ``kvq-eval sink`` report: the median
+    and largest first-token share over heads, the pooled errors and their ratio, from the JSON alone;
+    a model without its file gets a row of "–"; a file that is not a report is refused naming it."""
+    results = tmp_path / "eval_v3"
+    (results / "smollm2").mkdir(parents=True)
+    heads = [{"layer": 0, "head": h, "sink_share": s} for h, s in enumerate([0.10, 0.50, 0.20])]
+    report = {"bits": 3, "window": 64, "tokens": 2048, "heads": heads,
+              "totals": {"err_plain": 0.02, "err_centred": 0.05, "heads": 3, "heads_centring_worse": 2}}
+    (results / "smollm2" / "s.json").write_text(json.dumps(report))
+    page = "<!-- kvq-eval sink s.json smollm2,gemma3 -->\n| x |\n|---|\n"
+    out = refresh_markdown(page, results, "page.md")
+    rows = _parse_rows(out)
+    assert rows[0][0] == "model" and rows[0][-1] == "ratio"
+    assert rows[1] == ["smollm2", "2048", "64", "3", "3", "20.0 %, 50.0 %", "2 of 3", "0.0200", "0.0500", "2.50x"]
+    assert rows[2] == ["gemma3"] + ["–"] * 9
+    assert refresh_markdown(out, results, "page.md") == out
+    (results / "smollm2" / "s.json").write_text(json.dumps({"bits": 3}))
+    with pytest.raises(ValueError, match="not a kvq-eval sink report"):
+        refresh_markdown(page, results, "page.md")
+    with pytest.raises(ValueError, match="expected '<!-- kvq-eval sink FILE.json"):
+        refresh_markdown("<!-- kvq-eval sink smollm2 -->\n| x |\n|---|\n", results, "page.md")
