@@ -202,6 +202,7 @@ def _save_copy(folder: Path, model, tok) -> None:
     either absent or whole. The first rename wins; a later one finds the folder whole and drops its
     own copy (the same bytes).
     """
+    import contextlib
     import shutil
     import tempfile
 
@@ -215,8 +216,13 @@ def _save_copy(folder: Path, model, tok) -> None:
             os.rename(tmp, folder)
         except OSError:  # it exists: whole (another process won), or left by a save before this one
             if not (folder / "config.json").is_file():
-                shutil.rmtree(folder, ignore_errors=True)
-                os.rename(tmp, folder)
+                # move the stale folder aside atomically (one process does), then take its place
+                aside = Path(tempfile.mkdtemp(prefix=f".{folder.name}.stale.", dir=folder.parent))
+                with contextlib.suppress(OSError):
+                    os.rename(folder, aside / "old")
+                shutil.rmtree(aside, ignore_errors=True)
+                with contextlib.suppress(OSError):  # fails only where another process's whole copy is in place
+                    os.rename(tmp, folder)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -214,6 +214,8 @@ def sink_table(reports) -> str:
             continue
         try:
             shares = np.array([r["sink_share"] for r in rep["heads"]], dtype=np.float64)
+            if not shares.size:
+                raise ValueError("no head")
             tot = rep["totals"]
             plain, centred = float(tot["err_plain"]), float(tot["err_centred"])
             cells = [model, str(int(rep["tokens"])), str(int(rep["window"])), str(int(rep["bits"])), str(int(tot["heads"])),
@@ -222,8 +224,6 @@ def sink_table(reports) -> str:
                      f"{plain:.4f}", f"{centred:.4f}", f"{centred / plain:.2f}x" if plain > 0 else "–"]
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{model}: not a kvq-eval sink report ({type(exc).__name__}: {exc})") from None
-        if not shares.size:
-            raise ValueError(f"{model}: a kvq-eval sink report with no head")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -55,3 +55,10 @@ def test_a_half_written_folder_is_replaced(tmp_path):
     (folder / "model.safetensors").write_text("torn")  # an older, killed in-place save: no config.json
     _save_copy(folder, _Saver("b"), _Saver("b"))
     assert (folder / "model.safetensors").read_text() == "b" and (folder / "config.json").is_file()
+
+
+def test_no_stale_folder_is_left_aside(tmp_path):
+    folder = tmp_path / "m-fp32"
+    folder.mkdir()
+    _save_copy(folder, _Saver("c"), _Saver("c"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m-fp32"]
