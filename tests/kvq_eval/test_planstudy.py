@@ -1,4 +1,5 @@
-"""The study's pieces that need no model: the uniform baseline, the paired window test, the chart."""
+"""The planner's study: its pieces without a model (the uniform baseline, the paired window test, the
+chart), and `kvq-plan study` end to end on a tiny slice of SmolLM2."""
 
 from __future__ import annotations
 
@@ -69,3 +70,80 @@ def test_plot_reads_only_the_study_json(tmp_path):
     path.write_text(json.dumps({**study, "targets": []}))
     with pytest.raises(ValueError, match="no target"):
         plot_study(path, tmp_path / "x")
+
+
+def _ppl_cell(folder, entry):
+    """The raw perplexity cell of ``entry`` under a results folder (read as JSON, not through the library)."""
+    cells = [json.loads(p.read_text()) for p in (folder / "smollm2" / "ppl").glob("*.json")]
+    (cell,) = [c for c in cells if c["entry"] == entry]
+    return cell
+
+
+@pytest.mark.model
+def test_kvq_plan_study_end_to_end_on_a_tiny_slice(tmp_path, capsys):
+    """``kvq-plan study`` on SmolLM2 with 32-token windows, two targets and a baseline made by ``kvq-eval
+    run``: the targets share the sensitivity cells, every number of study.json is checked against the
+    plan files and the raw cells (the held-out change, the paired window differences, the needles),
+    the uniform pick is the cheapest baseline entry whose interval meets the target, a second run
+    computes nothing and writes the same bytes, and the table and chart come from the JSON."""
+    from kvq_eval.cli import main as eval_main
+    from kvq_eval.planfile import load_plan, stored_bits
+    from kvq_eval.plancli import main
+    from kvq_eval.planstudy import study_table
+
+    base = tmp_path / "base"
+    assert eval_main(["run", "--model", "smollm2", "--methods", "tq_mse2,tq_mse4", "--band", "none", "--band", "0,8",
+                      "--tasks", "ppl", "--ppl-windows", "32x2", "--out", str(base)]) == 0
+    out = tmp_path / "plan"
+    argv = ["study", "--model", "smollm2", "--targets", "20,100", "--band", "0,8", "--candidates", "tq_mse2,tq_mse4",
+            "--context", "32", "--calib-windows", "1", "--valid-windows", "2", "--rounds", "2", "--eval-windows", "2",
+            "--needles", "5", "--needle-contexts", "384", "--baseline", str(base), "--out", str(out)]
+    capsys.readouterr()
+    assert main(argv) == 0
+    log = capsys.readouterr().out
+    assert "(120 run now, 0 stored)" in log and "(0 run now, 120 stored)" in log  # cells shared by the targets
+    path = out / "smollm2" / "study.json"
+    raw = path.read_bytes()
+    study = json.loads(raw)
+    assert (study["model"], study["context"], study["eval_windows"], study["baseline_missing"]) == ("smollm2", 32, 2, [])
+    assert sorted(u["entry"] for u in study["uniform"]) == ["tq_mse2@0,8", "tq_mse2@none", "tq_mse4@0,8", "tq_mse4@none"]
+    assert [r["target_pct"] for r in study["targets"]] == [20.0, 100.0]
+    for row in study["targets"]:
+        plan = load_plan(row["plan"]["file"], model="smollm2")
+        assert row["plan"]["entry"] == plan.entry and row["plan"]["layers"] == [list(p) for p in plan.layers]
+        assert row["plan"]["bits"] == stored_bits(plan)["bits_per_element"]
+        assert row["plan"]["key_bits"] == [int(k.removeprefix("tq_mse")) for k, _ in plan.layers]
+        assert row["plan"]["value_bits"] == [int(v.removeprefix("tq_mse")) for _, v in plan.layers]
+        # held-out change from the raw windows: 100 (exp(sum dNLL / tokens) - 1)
+        cell = _ppl_cell(out / "eval", plan.entry)
+        w = cell["windows"]
+        held = row["plan"]["heldout"]
+        assert held["windows"] == len(w) == 2
+        dnll = sum(x["nll_q"] - x["nll_f"] for x in w) / sum(x["n"] for x in w)
+        assert held["dppl"] == pytest.approx(100 * math.expm1(dnll), rel=1e-12, abs=1e-12)
+        assert row["plan"]["heldout_meets_target"] == (held["ci"][1] <= row["target_pct"])
+        # the uniform pick: meets the target at the upper end of its interval, and nothing cheaper does
+        meets = [u for u in study["uniform"] if u["ci"][1] <= row["target_pct"]]
+        pick = row["uniform"]
+        if pick is None:
+            assert not meets
+            continue
+        assert pick in meets and all(u["bits"] >= pick["bits"] for u in meets)
+        assert row["uniform_bits_saved"] == pytest.approx(pick["bits"] - row["plan"]["bits"], abs=1e-12)
+        # paired: per window, the plan's NLL change per token minus the baseline's, on the same token ids
+        bw = _ppl_cell(base, pick["entry"])["windows"]
+        diffs = [(a["nll_q"] - a["nll_f"]) / a["n"] - (b["nll_q"] - b["nll_f"]) / b["n"] for a, b in zip(w, bw)]
+        assert [a["ids_sha256"] for a in w] == [b["ids_sha256"] for b in bw[:2]]
+        assert row["paired"]["windows"] == 2 and row["paired"]["ids_checked"]
+        assert row["paired"]["window_dnll"] == pytest.approx(diffs, rel=1e-9, abs=1e-12)
+        assert row["paired"]["dnll"] == pytest.approx(sum(diffs) / 2, rel=1e-9, abs=1e-12)
+        # needles: both on the same 5 prompts at 384 tokens
+        assert {e: r["384"]["n"] for e, r in row["needles"].items()} == {plan.entry: 5, pick["entry"]: 5}
+        assert row["needles_paired"]["384"]["n"] == 5
+    # resumable: both plans are read back, nothing is computed again, and the file is the same
+    assert main(argv) == 0
+    assert capsys.readouterr().out.count("the plan of this search, read back") == 2 and path.read_bytes() == raw
+    table = study_table(study)
+    assert table.count("\n") == 3 and "needle exact 384: plan / uniform (n)" in table
+    assert main(["plot", str(path), "-o", str(tmp_path / "chart" / "study")]) == 0
+    assert (tmp_path / "chart" / "study.png").stat().st_size > 1000
