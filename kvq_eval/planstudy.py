@@ -256,28 +256,33 @@ def _pct_ci(dppl: float, ci) -> str:
 def study_table(study: dict) -> str:
     """The study (``run_study``'s JSON) as a Markdown table, one row per target: the plan's stored
     bits and held-out perplexity change (t interval over windows), the cheapest uniform setting
-    meeting the same target with its bits, the bits the plan saves, the paired window test of plan
-    against uniform (perplexity ratio, 95 % t interval, the windows both hold), and single-needle
-    exact match of both per needle context. ``KeyError``/``TypeError`` on a JSON that is not a study
+    meeting the same target with its bits, how many uniform settings it was chosen from (and how many
+    of the baseline's entries had no cell at the study's context yet: a pick from an incomplete grid
+    says so), the bits the plan saves, the paired window test of plan against uniform (perplexity
+    ratio, 95 % t interval, the windows both hold), and single-needle exact match of both per needle
+    context. ``KeyError``/``TypeError`` on a JSON that is not a study
     (``kvq_eval.readme`` names the file)."""
     from .plot import _ctx
 
     contexts = [str(c) for c in study["needle_contexts"]] if study["needles"] else []
     tokens = _ctx(study["context"])
     head = ["target", "plan: stored bits", f"plan Δppl {tokens} held-out [95% t-CI] (windows)", "within target",
-            "cheapest uniform setting (stored bits)", "bits saved", f"plan vs uniform, paired {tokens} [95% t-CI] (windows)"]
+            "cheapest uniform setting (stored bits)", f"uniform settings compared (lacking {tokens} cells)",
+            "bits saved", f"plan vs uniform, paired {tokens} [95% t-CI] (windows)"]
     head += [f"needle exact {_ctx(int(c))}: plan / uniform (n)" for c in contexts]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    missing = len(study["baseline_missing"])
+    compared = f"{len(study['uniform'])}" + (f" ({missing})" if missing else "")
     for row in study["targets"]:
         plan, base, held = row["plan"], row["uniform"], row["plan"]["heldout"]
         cells = [f"≤ {row['target_pct']:g} %", f"{plan['bits']:.2f}",
                  "–" if held is None else f"{_pct_ci(held['dppl'], held['ci'])} ({held['windows']})",
                  "–" if held is None else ("yes" if plan["heldout_meets_target"] else "no")]
         if base is None:
-            cells += ["none meets it", "–", "–"]
+            cells += ["none meets it", compared, "–", "–"]
         else:
             paired = row.get("paired") or {}
-            cells += [f"{base['entry']} ({base['bits']:.2f})", f"{row['uniform_bits_saved']:+.2f}",
+            cells += [f"{base['entry']} ({base['bits']:.2f})", compared, f"{row['uniform_bits_saved']:+.2f}",
                       "–" if "ci" not in paired else
                       f"{_pct_ci(paired['ratio_pct'], [100 * np.expm1(x) for x in paired['ci']])} ({paired['windows']})"]
         for c in contexts:

@@ -145,5 +145,6 @@ def test_kvq_plan_study_end_to_end_on_a_tiny_slice(tmp_path, capsys):
     assert capsys.readouterr().out.count("the plan of this search, read back") == 2 and path.read_bytes() == raw
     table = study_table(study)
     assert table.count("\n") == 3 and "needle exact 384: plan / uniform (n)" in table
+    assert all(line.split(" | ")[5] == "4" for line in table.splitlines()[2:])  # 4 compared, none lacking
     assert main(["plot", str(path), "-o", str(tmp_path / "chart" / "study")]) == 0
     assert (tmp_path / "chart" / "study.png").stat().st_size > 1000

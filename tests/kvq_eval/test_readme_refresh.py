@@ -214,7 +214,10 @@ def _study():
     0.5 % without a held-out cell or a uniform setting meeting the target."""
     needles = {"plan:a": {"4096": {"n": 30, "exact": 0.9}, "8192": {"n": 30, "exact": 0.8}},
                "tq_mse4@0,64": {"4096": {"n": 30, "exact": 0.95}}}
-    return {"model": "smollm2", "context": 8192, "needles": 30, "needle_contexts": [4096, 8192], "targets": [
+    uniform = [{"entry": e, "bits": b, "dppl": 0.77, "ci": [0.47, 0.99], "windows": 7}
+               for e, b in (("tq_mse3@none", 3.25), ("tq_mse4@0,64", 4.43), ("kivi4@none", 5.04))]
+    return {"model": "smollm2", "context": 8192, "needles": 30, "needle_contexts": [4096, 8192], "uniform": uniform,
+            "baseline_missing": ["tq_k5v3@none", "tq_k8v4@none"], "targets": [
         {"target_pct": 1.0, "plan": {"entry": "plan:a", "bits": 3.4567, "heldout_meets_target": True,
                                      "heldout": {"dppl": 0.5, "ci": [0.25, 0.75], "windows": 7}},
          "uniform": {"entry": "tq_mse4@0,64", "bits": 4.43, "dppl": 0.77, "ci": [0.47, 0.99], "windows": 7},
@@ -240,9 +243,11 @@ def test_the_study_table_comes_from_the_study_json(tmp_path):
     out = refresh_markdown(page, results, "page.md")
     rows = _parse_rows(out)
     assert rows[0][:4] == ["target", "plan: stored bits", "plan Δppl 8K held-out [95% t-CI] (windows)", "within target"]
-    assert rows[1] == ["≤ 1 %", "3.46", "+0.50% [+0.25, +0.75] (7)", "yes", "tq_mse4@0,64 (4.43)", "+0.97",
+    assert rows[0][4:6] == ["cheapest uniform setting (stored bits)", "uniform settings compared (lacking 8K cells)"]
+    # 3 uniform settings compared; 2 baseline entries had no 8K cell yet
+    assert rows[1] == ["≤ 1 %", "3.46", "+0.50% [+0.25, +0.75] (7)", "yes", "tq_mse4@0,64 (4.43)", "3 (2)", "+0.97",
                        "-0.20% [-0.40, +0.00] (7)", "0.90 / 0.95 (30)", "0.80 / – (30)"]
-    assert rows[2] == ["≤ 0.5 %", "5.00", "–", "–", "none meets it", "–", "–", "–", "–"]
+    assert rows[2] == ["≤ 0.5 %", "5.00", "–", "–", "none meets it", "3 (2)", "–", "–", "–", "–"]
     assert refresh_markdown(out, results, "page.md") == out  # a fixed point
     path.write_text(json.dumps({"model": "smollm2"}))
     with pytest.raises(ValueError, match="study.json: not a kvq-plan study"):
