@@ -8,7 +8,9 @@
    the held-out windows of ``context`` tokens (``eval_windows`` consecutive windows from the start of
    ``heldout``, protocol v3) and, unless ``needles=0``, the needle test at ``needle_contexts`` (the
    single-needle variant, depths 0.1..0.9, ``needles / 5`` samples per depth), where the uniform
-   baseline is run on the same samples;
+   baseline is run on the same samples (the entries the baseline folder already holds for them,
+   fp32's included, are copied: ``kvq-eval run --reuse``; a calibrated baseline runs on the
+   calibration length its perplexity cells record);
 3. finds the cheapest uniform setting meeting the same target among the baseline folder's
    perplexity cells of ``context`` tokens (``kvq-eval`` results: the upper end of the window t
    interval at most the target), read after the searches, and records the baseline's entries that
@@ -68,6 +70,17 @@ def baseline_gaps(baseline, model: str, tokens: int) -> list[str]:
 def _cheapest(uniform: list[dict], target_pct: float) -> dict | None:
     ok = [u for u in uniform if u["ci"][1] <= target_pct]
     return min(ok, key=lambda u: (u["bits"], u["ci"][1])) if ok else None
+
+
+def _baseline_calib(base_res: dict, entries, tokens: int, where) -> int:
+    """The calibration length the baseline ``entries``' perplexity cells at ``tokens`` record (their
+    needles run on the same calibration), or 1024 (``kvq-eval run``'s default) when none is
+    calibrated; ``ValueError`` when they record different lengths."""
+    calib = {base_res["ppl"][e][tokens].get("calib_tokens") for e in entries} - {None}
+    if len(calib) > 1:
+        raise ValueError(f"{where}: the uniform baselines were calibrated on {sorted(calib)} tokens; "
+                         f"their needles need one calibration")
+    return calib.pop() if calib else 1024
 
 
 def _search_record(cfg) -> dict:
@@ -143,18 +156,20 @@ def run_study(configs, out, baseline, ray: str | None = None, needles: int = 30,
             f"({', '.join(gaps[:6])}{', ...' if len(gaps) > 6 else ''}); the cheapest uniform setting is the "
             f"cheapest among the {len(uniform)} that have one (study.json: baseline_missing)")
     base_of = {cfg.target: _cheapest(uniform, 100 * cfg.target) for cfg in configs}
+    base_res = load_results(baseline, model)
     if needles:
+        calib_tokens = _baseline_calib(base_res, [u["entry"] for u in base_of.values() if u], tokens, baseline)
         groups: dict = {}
         for b in {u["entry"] for u in base_of.values() if u}:
             method, band, _ = parse_entry(b)
             groups.setdefault(band.label, []).append(method)
         for i, band in enumerate(sorted(groups) or ["none"]):
             methods = groups.get(band, []) + ([p.method for _, p, _ in plans] if i == 0 else [])
+            # the baseline's needle entries (and fp32's) on the same prompts are copied, not recomputed
             run_grid(model, methods, eval_dir, contexts=tuple(needle_contexts), tasks=("niah",), variants=("single",),
                      depths=NEEDLE_DEPTHS, samples=needles // len(NEEDLE_DEPTHS), bands=(band,), ray=ray,
-                     progress=progress)
+                     progress=progress, reuse=baseline, calib_tokens=calib_tokens)
     res = load_results(eval_dir, model)
-    base_res = load_results(baseline, model)
     summ = ppl_summary(res)
     niah = niah_summary(res["niah"])
     rows = []

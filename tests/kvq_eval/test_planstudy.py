@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from kvq_eval.planstudy import _cheapest, _paired, baseline_gaps, plot_study, uniform_settings
+from kvq_eval.planstudy import _baseline_calib, _cheapest, _paired, baseline_gaps, plot_study, uniform_settings
 
 
 def _window(dnll, n=100, ids=None):
@@ -44,6 +44,15 @@ def test_cheapest_uniform_setting_meets_the_target_at_the_upper_bound(tmp_path):
     assert baseline_gaps(tmp_path, "smollm2", 1024) == ["a@none", "b@none", "c@0,64"]
     c = next(u for u in uni if u["entry"] == "c@0,64")
     assert c["ci"][1] == pytest.approx(100 * math.expm1(0.0085 + 4.302652729911275 * 0.0005 / math.sqrt(3)), rel=1e-9)
+
+
+def test_baseline_needles_use_the_calibration_of_its_cells():
+    res = {"ppl": {"tq_mse4@none": {8192: {}}, "tq_split3.5@none": {8192: {"calib_tokens": 8192}},
+                   "oscar@none": {8192: {"calib_tokens": 1024}}}}
+    assert _baseline_calib(res, ["tq_mse4@none"], 8192, "b") == 1024  # nothing calibrated: the default
+    assert _baseline_calib(res, ["tq_mse4@none", "tq_split3.5@none"], 8192, "b") == 8192
+    with pytest.raises(ValueError, match=r"b: the uniform baselines were calibrated on \[1024, 8192\] tokens"):
+        _baseline_calib(res, ["oscar@none", "tq_split3.5@none"], 8192, "b")
 
 
 def test_paired_windows_check_text_and_token_ids():
@@ -84,8 +93,9 @@ def test_kvq_plan_study_end_to_end_on_a_tiny_slice(tmp_path, capsys):
     """``kvq-plan study`` on SmolLM2 with 32-token windows, two targets and a baseline made by ``kvq-eval
     run``: the targets share the sensitivity cells, every number of study.json is checked against the
     plan files and the raw cells (the held-out change, the paired window differences, the needles),
-    the uniform pick is the cheapest baseline entry whose interval meets the target, a second run
-    computes nothing and writes the same bytes, and the table and chart come from the JSON."""
+    the uniform pick is the cheapest baseline entry whose interval meets the target and its needles
+    (and fp32's) are copied from the baseline folder, a second run computes nothing and writes the
+    same bytes, and the table and chart come from the JSON."""
     from kvq_eval.cli import main as eval_main
     from kvq_eval.planfile import load_plan, stored_bits
     from kvq_eval.plancli import main
@@ -93,7 +103,8 @@ def test_kvq_plan_study_end_to_end_on_a_tiny_slice(tmp_path, capsys):
 
     base = tmp_path / "base"
     assert eval_main(["run", "--model", "smollm2", "--methods", "tq_mse2,tq_mse4", "--band", "none", "--band", "0,8",
-                      "--tasks", "ppl", "--ppl-windows", "32x2", "--out", str(base)]) == 0
+                      "--tasks", "ppl,niah", "--ppl-windows", "32x2", "--ctx", "384", "--variants", "single",
+                      "--depths", "0.1,0.3,0.5,0.7,0.9", "--samples", "1", "--out", str(base)]) == 0
     out = tmp_path / "plan"
     argv = ["study", "--model", "smollm2", "--targets", "20,100", "--band", "0,8", "--candidates", "tq_mse2,tq_mse4",
             "--context", "32", "--calib-windows", "1", "--valid-windows", "2", "--rounds", "2", "--eval-windows", "2",
@@ -140,6 +151,12 @@ def test_kvq_plan_study_end_to_end_on_a_tiny_slice(tmp_path, capsys):
         # needles: both on the same 5 prompts at 384 tokens
         assert {e: r["384"]["n"] for e, r in row["needles"].items()} == {plan.entry: 5, pick["entry"]: 5}
         assert row["needles_paired"]["384"]["n"] == 5
+        # the baseline's needle entries (and fp32's) were copied from the baseline folder, not recomputed
+        for f in sorted((out / "eval" / "smollm2" / "niah").glob("*.json")):
+            got, old = json.loads(f.read_text())["results"], json.loads((base / "smollm2" / "niah" / f.name).read_text())
+            for e in ("fp32", pick["entry"]):
+                assert got[e].pop("reused_from").endswith(f.name) and got[e] == old["results"][e]
+            assert "reused_from" not in got[plan.entry]
     # resumable: both plans are read back, nothing is computed again, and the file is the same
     assert main(argv) == 0
     assert capsys.readouterr().out.count("the plan of this search, read back") == 2 and path.read_bytes() == raw
