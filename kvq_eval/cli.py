@@ -145,9 +145,10 @@ def _dry_run(kw: dict, calib_tokens: int) -> int:
         print("  no time estimate: no cell of these kinds in this folder has a recorded time yet")
     elif todo:
         print(f"  about {seconds / 3600:.1f} hours at the speeds this folder's cells recorded last (median wall time "
-              f"of the newest {RECENT} records per perplexity window, needle entry and layers cell, of the same "
-              f"method where it has one), for one process: processes side by side (--ray) share it"
-              + (f"; {unknown} cell(s) of a kind with no record yet not counted" if unknown else ""))
+              f"of the newest {RECENT} records per perplexity window, needle entry, needle prompt's shared prefill "
+              f"and layers cell, of the same method where it has one), for one process: processes side by side "
+              f"(--ray) share it" + (f"; {unknown} cell(s) of a kind with no record yet (or a needle prompt whose "
+                                     f"context has no recorded prefill) not (fully) counted" if unknown else ""))
     return 0
 
 

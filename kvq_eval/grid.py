@@ -141,6 +141,7 @@ def _merge_niah(path: Path, new: dict) -> dict:
         raise ValueError(f"{path}: the stored needle sample differs from the one the generator now makes "
                          f"(keys {old.get('keys')!r} vs {new['keys']!r}); write to a fresh --out folder")
     old["results"].update(new["results"])
+    old["prefills"] = old.get("prefills", []) + new.get("prefills", [])  # one per run that made entries
     return old
 
 
@@ -217,7 +218,9 @@ def recent_median(records, latest: int = RECENT) -> float:
 
 def estimate_seconds(units: list[dict], calib_tokens: int) -> tuple[float, int]:
     """(seconds, units without an estimate) of what ``units`` still need, at the speeds the folder's
-    own cells recorded: per perplexity window of each length, per needle entry at each context, per
+    own cells recorded: per perplexity window of each length, per needle entry at each context and
+    per needle prompt's shared exact prefill at each context (recorded in ``prefills`` by runs since
+    it was added; a prompt without any such record at its context counts as unestimated), per
     layers cell. Each is ``recent_median`` of the stored records of that kind for the same method
     (NOVA-KV's needle entries take 3-6x TurboQuantMSE's), or of every method where that method has
     none yet, partial cells included. A kind with no record at all counts its units as unestimated.
@@ -245,6 +248,10 @@ def estimate_seconds(units: list[dict], calib_tokens: int) -> tuple[float, int]:
             for name, r in (stored or {}).get("results", {}).items():
                 record(kind, parse_entry(name)[0], [r])
             need_of.extend((i, kind, parse_entry(e)[0], 1) for e in need)
+            # the exact prefill every entry of a run shares, once per prompt that lacks an entry
+            prefill = ("niah-prefill", u["cell"][1])
+            record(prefill, "", (stored or {}).get("prefills", []))
+            need_of.append((i, prefill, "", 1 if need else 0))
         else:
             kind, method = (u["task"],), parse_entry(u["entry"])[0]
             if stored is not None and "wall_seconds" in stored:

@@ -93,8 +93,13 @@ def test_needle_cells_merge_only_the_same_sample(tmp_path):
     path = tmp_path / "cell.json"
     assert _merge_niah(path, _cell(results={"fp32": {"exact": 1}})) == _cell(results={"fp32": {"exact": 1}})
     _write(path, _cell(results={"fp32": {"exact": 1}}))
-    merged = _merge_niah(path, _cell(results={"tq_mse3@none": {"exact": 0}}))
+    merged = _merge_niah(path, {**_cell(results={"tq_mse3@none": {"exact": 0}}), "prefills": [{"seconds": 3.0}]})
     assert merged["results"] == {"fp32": {"exact": 1}, "tq_mse3@none": {"exact": 0}}
+    assert merged["prefills"] == [{"seconds": 3.0}]  # each run's prefill is kept (an older cell has none)
+    _write(path, {**_cell(results={"fp32": {"exact": 1}}), "prefills": [{"seconds": 2.0}]})
+    merged = _merge_niah(path, {**_cell(results={"tq_mse3@none": {"exact": 0}}), "prefills": [{"seconds": 3.0}]})
+    assert merged["prefills"] == [{"seconds": 2.0}, {"seconds": 3.0}]
+    _write(path, _cell(results={"fp32": {"exact": 1}}))
     with pytest.raises(ValueError, match="stored needle sample differs"):
         _merge_niah(path, _cell(keys="daring-island", results={"tq_mse3@none": {"exact": 0}}))
     assert json.loads(path.read_text()) == _cell(results={"fp32": {"exact": 1}})  # left as it was
@@ -139,9 +144,10 @@ def test_two_runs_filling_one_needle_cell_lose_no_entry(tmp_path):
 
 def test_estimate_seconds_uses_the_folders_recorded_speeds(tmp_path):
     """The dry run's estimate: missing perplexity windows x the median recorded window time (complete
-    and partial cells), missing needle entries x the median entry time, missing layers cells x the
-    median cell time, each of the same method where it has records, else of every method; a kind
-    without any record is counted apart."""
+    and partial cells), missing needle entries x the median entry time plus, per prompt that lacks an
+    entry, the median time of its shared prefill, missing layers cells x the median cell time, each of
+    the same method where it has records, else of every method; a kind without any record is counted
+    apart."""
     import json
 
     from kvq_eval.grid import _partial_path, estimate_seconds, plan
@@ -162,12 +168,18 @@ def test_estimate_seconds_uses_the_folders_recorded_speeds(tmp_path):
     put(by["layers", "tq_mse4@none", None]["path"], {"wall_seconds": 7.0})
     # ppl: tq_mse3's own record, 3 windows x 30 = 90; needles: tq_mse3 has none, so it takes every
     # method's median(2, 4) = 3 in both cells, and the second cell's fp32 and tq_mse4 their own 2 and
-    # 4: 3 + 3 + 2 + 4 = 12; layers: tq_mse3 takes tq_mse4's 7
-    assert estimate_seconds(units, 1024) == (109.0, 0)
-    put(niah[0]["path"], {"results": {"fp32": {"seconds": 2.0}, "tq_mse4@none": {"seconds": 4.0},
-                                      "tq_mse3@none": {"seconds": 40.0}}})
-    # the first cell is complete; the second needs fp32 (2), tq_mse4 (4) and tq_mse3 (its own 40)
-    assert estimate_seconds(units, 1024) == (90.0 + 46.0 + 7.0, 0)
+    # 4: 3 + 3 + 2 + 4 = 12; layers: tq_mse3 takes tq_mse4's 7. No prompt recorded its shared
+    # prefill: both needle cells are counted apart (their entries are in the 109 s)
+    assert estimate_seconds(units, 1024) == (109.0, 2)
+    # the prefill is recorded once per run; the prompts that lack an entry add the median, 20 s each
+    put(niah[0]["path"], {"prefills": [{"seconds": 30.0}, {"seconds": 10.0}, {"seconds": 20.0}],
+                          "results": {"fp32": {"seconds": 2.0}, "tq_mse4@none": {"seconds": 4.0}}})
+    assert estimate_seconds(units, 1024) == (109.0 + 2 * 20.0, 0)
+    put(niah[0]["path"], {"prefills": [{"seconds": 20.0}], "results": {
+        "fp32": {"seconds": 2.0}, "tq_mse4@none": {"seconds": 4.0}, "tq_mse3@none": {"seconds": 40.0}}})
+    # the first cell is complete; the second needs its prefill (20), fp32 (2), tq_mse4 (4) and
+    # tq_mse3 (its own 40)
+    assert estimate_seconds(units, 1024) == (90.0 + 20.0 + 46.0 + 7.0, 0)
 
 
 def test_estimates_price_from_the_newest_dated_records():

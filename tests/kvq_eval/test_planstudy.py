@@ -105,6 +105,9 @@ def test_kvq_plan_study_end_to_end_on_a_tiny_slice(tmp_path, capsys):
     assert eval_main(["run", "--model", "smollm2", "--methods", "tq_mse2,tq_mse4", "--band", "none", "--band", "0,8",
                       "--tasks", "ppl,niah", "--ppl-windows", "32x2", "--ctx", "384", "--variants", "single",
                       "--depths", "0.1,0.3,0.5,0.7,0.9", "--samples", "1", "--out", str(base)]) == 0
+    for f in (base / "smollm2" / "niah").glob("*.json"):  # one run made every entry: one timed shared prefill
+        (pre,) = json.loads(f.read_text())["prefills"]
+        assert pre["seconds"] > 0 and pre["finished"].endswith("Z")
     out = tmp_path / "plan"
     argv = ["study", "--model", "smollm2", "--targets", "20,100", "--band", "0,8", "--candidates", "tq_mse2,tq_mse4",
             "--context", "32", "--calib-windows", "1", "--valid-windows", "2", "--rounds", "2", "--eval-windows", "2",
