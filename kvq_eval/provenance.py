@@ -47,8 +47,24 @@ def _code() -> str | None:
     return head.stdout.strip() + ("+dirty" if dirty else "")
 
 
+@lru_cache(maxsize=1)
+def _cpu_model() -> str:
+    """The processor's model name (``/proc/cpuinfo``; ``platform.processor()`` elsewhere): two AVX-512
+    machines of different vendors dispatch torch to different kernels, and the last bits differ."""
+    import platform
+
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
 def environment() -> dict:
-    """Protocol, code commit, the CPU kernels torch dispatches to (``cpu``: e.g. ``AVX512``), thread
+    """Protocol, code commit, the CPU kernels torch dispatches to (``cpu``: e.g. ``AVX512``) and the
+    processor model (``cpu_model``), thread
     counts (torch, Numba, ``OMP_NUM_THREADS``) and versions: what the float32 forward's last bits
     depend on (and quantized results amplify)."""
     import numba
@@ -57,6 +73,7 @@ def environment() -> dict:
     import transformers
 
     return {"protocol": PROTOCOL, "code": _code(), "cpu": torch.backends.cpu.get_cpu_capability(),
+            "cpu_model": _cpu_model(),
             "threads": {"torch": torch.get_num_threads(), "numba": numba.get_num_threads(),
                         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")},
             "versions": {"numpy": numpy.__version__, "torch": torch.__version__,

@@ -26,7 +26,9 @@ CELL = "smollm2/niah/single_ctx1024_d0.5_s0.json"
 # `make repro`: the committed cell's grid
 GRID = dict(methods=["tq_mse3", "nova"], contexts=(1024,), tasks=("niah",), variants=("single",), depths=(0.5,),
             samples=1, bands=("none", "1,0"), calib_tokens=1024, progress=False)
-ENV_FIELDS = ("cpu", "versions")
+# the processor model too: an AMD and an Intel AVX-512 machine (both "AVX512") gave fp32 log-probabilities
+# 1e-6 apart on this cell
+ENV_FIELDS = ("cpu", "cpu_model", "versions")
 
 
 def _environment_differs(stored: dict, now: dict) -> list[str]:
