@@ -64,9 +64,8 @@ def _cpu_model() -> str:
 
 def environment() -> dict:
     """Protocol, code commit, the CPU kernels torch dispatches to (``cpu``: e.g. ``AVX512``) and the
-    processor model (``cpu_model``), thread
-    counts (torch, Numba, ``OMP_NUM_THREADS``) and versions: what the float32 forward's last bits
-    depend on (and quantized results amplify)."""
+    processor model (``cpu_model``), thread counts (torch, Numba, ``OMP_NUM_THREADS``) and versions:
+    what the float32 forward's last bits depend on (and quantized results amplify)."""
     import numba
     import numpy
     import torch
