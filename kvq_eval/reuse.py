@@ -59,7 +59,8 @@ def _reuse_niah(unit, need, old_path, digests) -> int:
         cur = _read(unit["path"])
         if cur is None:
             cur = {k: v for k, v in stored.items() if k != "results"}
-            cur.update(results={}, haystack=haystack_part(unit["cell"][1]), wall_seconds=0.0)
+            # nothing ran here: no wall time, no prefill (the old cell's runs are its own records)
+            cur.update(results={}, haystack=haystack_part(unit["cell"][1]), wall_seconds=0.0, prefills=[])
         fields = ("keys", "values", "prompt_tokens", "offset")
         if tuple(cur.get(f) for f in fields) != tuple(stored.get(f) for f in fields):
             return 0

@@ -11,7 +11,7 @@ import pytest
 def _strip(obj):
     """A result without what differs between two runs of the same numbers (timings and when, provenance,
     where it was reused from)."""
-    drop = {"seconds", "wall_seconds", "finished", "reused_from", "provenance", "windows_reused"}
+    drop = {"seconds", "wall_seconds", "finished", "reused_from", "provenance", "windows_reused", "prefills"}
     if isinstance(obj, dict):
         return {k: _strip(v) for k, v in obj.items() if k not in drop}
     if isinstance(obj, list):
@@ -37,6 +37,9 @@ def test_reused_cells_equal_fresh_ones(tmp_path, monkeypatch):
     for f in sorted(p.relative_to(fresh) for p in fresh.rglob("*.json")):
         a, b = (json.loads((root / f).read_text()) for root in (new, fresh))
         assert _strip(a) == _strip(b), f
+    # a needle cell copied whole ran nothing here: no wall time, no prefill record
+    (needle,) = (json.loads(p.read_text()) for p in (new / "smollm2" / "niah").glob("*.json"))
+    assert needle["prefills"] == [] and needle["wall_seconds"] == 0.0
     cell = json.loads(next((new / "smollm2" / "ppl").glob("*.json")).read_text())
     assert [("reused_from" in w) for w in cell["windows"]] == [True, True, False]
     assert len({w["ids_sha256"] for w in cell["windows"]}) == 3 and cell["text"] == "heldout"
