@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 OUT    := out
 
-.PHONY: demo test venv tables theory bench clean eval eval-deps notebooks repro docs plan-study
+.PHONY: demo test venv tables theory bench clean eval eval-deps notebooks repro numerics docs plan-study
 
 venv: $(STAMP)
 
@@ -79,13 +79,27 @@ eval: $(STAMP)
 	[ -n "$(DRY)" ] || for m in smollm2 gemma3; do $(VENV)/bin/kvq-eval plot $(EVAL_OUT) --model $$m -o $(EVAL_OUT)/$$m || exit 1; done
 	[ -n "$(DRY)" ] || for m in smollm2 gemma3; do $(VENV)/bin/kvq-eval plot $(EVAL_OUT) --model $$m --variant multiquery -o $(EVAL_OUT)/$${m}_multiquery || exit 1; done
 
-# The committed NOVA-KV needle cell that tests/kvq_eval/test_reproduce.py recomputes on every CI run
-# (a 1024-token calibration, so that the test takes about a minute).
-REPRO_RUN := $(VENV)/bin/kvq-eval run --model smollm2 --methods tq_mse3,nova --band none --band 1,0 --tasks niah \
-	--variants single --ctx 1024 --depths 0.5 --samples 1 --calib-tokens 1024 --out results/repro
+# The committed NOVA-KV needle cell that tests/kvq_eval/test_reproduce.py recomputes on every CI run,
+# on the portable numeric path (the same bits on any x86-64 processor with AVX2 and FMA) and with a
+# 1024-token calibration, so that the test takes a few minutes.
+REPRO_RUN := $(VENV)/bin/kvq-eval run --portable --model smollm2 --methods tq_mse3,nova --band none --band 1,0 \
+	--tasks niah --variants single --ctx 1024 --depths 0.5 --samples 1 --calib-tokens 1024 --out results/repro
 repro: $(STAMP)
 	rm -rf results/repro
 	$(REPRO_RUN)
+
+# How far a processor's numeric path moves the evaluation's numbers (docs/evaluation.md,
+# reproducibility): 30 single-needle samples at 1K of four methods on the native path (this
+# machine's fastest kernels) and on the portable one, each with its own calibration, paired by
+# kvq-eval reproduce. About 1.5 hours of one core; resumable.
+NUMERICS_OUT := results/numerics
+NUMERICS_GRID := --model smollm2 --methods tq_mse3,kivi2,quarot4,nova --band none --tasks niah --variants single \
+	--ctx 1024 --depths 0.1,0.3,0.5,0.7,0.9 --samples 6 --calib-tokens 1024
+numerics: $(STAMP)
+	$(ONE_THREAD) $(VENV)/bin/kvq-eval run $(NUMERICS_GRID) --out $(NUMERICS_OUT)/native
+	$(ONE_THREAD) $(VENV)/bin/kvq-eval run $(NUMERICS_GRID) --portable --out $(NUMERICS_OUT)/portable
+	$(VENV)/bin/kvq-eval reproduce $(NUMERICS_OUT)/native $(NUMERICS_OUT)/portable --model smollm2 \
+	  -o $(NUMERICS_OUT)/smollm2.json
 
 # The planner's study (kvq-plan study, docs/plan.md), resumable, after `make eval`: its uniform
 # baselines are the 8K cells of $(EVAL_OUT). RAY=local|auto as above; `make plan-study DRY=1` counts

@@ -118,8 +118,12 @@ class CalibrationTables:
 def calibration_folder(name: str, sequences: int = 2, length: int = 1024, iterations: int = 25,
                        seed: int = 0) -> Path:
     """The cache folder of a model's (swap) calibration with these settings; the round_robin one is
-    ``<folder>-round_robin``."""
-    key = hashlib.sha256(f"{name}|{sequences}|{length}|{iterations}|{seed}|v2".encode()).hexdigest()[:12]
+    ``<folder>-round_robin``. The portable numeric path (``provenance.numerics``) has folders of its
+    own: its calibration is computed with other kernels, and its last bits differ."""
+    from .provenance import numerics
+
+    path = "|portable" if numerics() == "portable" else ""
+    key = hashlib.sha256(f"{name}|{sequences}|{length}|{iterations}|{seed}|v2{path}".encode()).hexdigest()[:12]
     return cache_dir() / "calibration" / f"{slug(name)}-{key}"
 
 

@@ -7,6 +7,7 @@ kvq-eval run --model smollm2 --plan plan.json --tasks ppl,niah --ppl-windows 819
 kvq-eval plot results/eval_v3 --model smollm2 -o results/eval_v3/smollm2
 kvq-eval table results/eval_v3 --model smollm2
 kvq-eval compare results/eval_v3 tq_mse4@none fp32
+kvq-eval reproduce results/eval_v3 rerun --model smollm2 -o agreement.json
 kvq-eval recommend results/eval_v3 --model gemma3
 kvq-eval readme README.md docs/evaluation.md --check
 kvq-eval capture --model smollm2 --tokens 1024 --sequences 2 --out qkv.safetensors
@@ -152,11 +153,32 @@ def _dry_run(kw: dict, calib_tokens: int) -> int:
     return 0
 
 
+def _portable_rerun(args) -> int:
+    """``run --portable`` from a process on another numeric path: the same command in a fresh Python
+    with ``provenance.PORTABLE`` set (MKL, ATen, oneDNN, Numba and OpenBLAS read them when they load).
+    From the console the process becomes it (signals reach the run); called with ``argv`` (tests), it
+    runs as a child and its exit status is returned."""
+    from .provenance import portable_environ
+
+    cmd = [sys.executable, "-m", "kvq_eval.cli", *args.argv]
+    env = portable_environ()
+    if args.console:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execve(sys.executable, cmd, env)
+    import subprocess
+
+    return subprocess.run(cmd, env=env).returncode
+
+
 def _cmd_run(args) -> int:
     from .checks import check_run, check_run_lengths
     from .models import load_tokenizer
+    from .provenance import numerics
     from .runner import run_grid
 
+    if args.portable and numerics() != "portable":
+        return _portable_rerun(args)
     kw = grid_kwargs(args)
     check_run(kw, args.ray_gpus, args.dry_run)  # before the model loads (issue 53)
     if not args.dry_run:
@@ -244,6 +266,18 @@ def _cmd_compare(args) -> int:
     if not tables or (any(args.a in c["results"] for c in cells) and any(args.b in c["results"] for c in cells)):
         tables.append(comparison_table(paired_comparison(cells, args.a, args.b), args.a, args.b))
     print("\n\n".join(tables))
+    return 0
+
+
+def _cmd_reproduce(args) -> int:
+    from .reproduce import compare_runs, format_comparison
+
+    result = compare_runs(args.a, args.b, args.model)
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
+    print(format_comparison(result), end="")
     return 0
 
 
@@ -365,6 +399,10 @@ def _parser() -> argparse.ArgumentParser:
                    "computing the rest; reused entries record reused_from")
     r.add_argument("--reuse-only", action="store_true",
                    help="with --reuse: copy what the older folder holds and compute nothing")
+    r.add_argument("--portable", action="store_true",
+                   help="the portable numeric path: the same instructions on every x86-64 processor with AVX2 and "
+                   "FMA, so that cells reproduce bit for bit across processor models and vendors (about 1.5x "
+                   "slower); entries record it as provenance numerics")
     r.add_argument("--dry-run", action="store_true",
                    help="compute nothing: list the grid's missing (task, entry) pairs, how many cells lack each, and "
                    "the hours they need at the speeds the folder's cells recorded")
@@ -399,6 +437,14 @@ def _parser() -> argparse.ArgumentParser:
     k.add_argument("--variant", default="single", choices=VARIANTS,
                    help="needle variant of the paired needle samples (default single; 'all' pools them)")
     k.set_defaults(func=_cmd_compare)
+    x = sub.add_parser("reproduce", help="two runs of one grid (e.g. the committed cells and a rerun on another "
+                       "machine): per entry, bit-identical samples and windows, exact match (McNemar) and the paired "
+                       "t interval of the log-probability (NLL) change (Markdown)")
+    x.add_argument("a", help="results folder, e.g. results/eval_v3")
+    x.add_argument("b", help="results folder of the rerun")
+    x.add_argument("--model", default="smollm2")
+    x.add_argument("-o", "--out", default=None, help="also write the comparison as JSON here")
+    x.set_defaults(func=_cmd_reproduce)
     m = sub.add_parser("readme", help="recompute the marked tables of Markdown files (README, docs) from the JSON")
     m.add_argument("files", nargs="*", default=["README.md", "docs/evaluation.md", "docs/plan.md"],
                    help="Markdown files with '<!-- kvq-eval ... -->' markers (default: README.md docs/evaluation.md "
@@ -442,6 +488,7 @@ def run_main(prog: str, parser: argparse.ArgumentParser, argv: list[str] | None)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     args = parser.parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else list(argv)  # what runs.jsonl records
+    args.console = argv is None
     try:
         return args.func(args)
     except (ValueError, TypeError, FileNotFoundError) as exc:

@@ -13,11 +13,43 @@ import subprocess
 from functools import lru_cache
 from pathlib import Path
 
-__all__ = ["PROTOCOL", "environment", "artifact_digest", "provenance", "finished"]
+__all__ = ["PROTOCOL", "PORTABLE", "NUMERIC_KNOBS", "numerics", "portable_environ", "environment",
+           "artifact_digest", "provenance", "finished"]
 
 #: The evaluation protocol the runner implements (3: window-level statistics, short perplexity
 #: windows on their own text, the long needle haystack beyond 4K tokens, provenance records).
 PROTOCOL = 3
+
+
+#: The portable numeric path (``kvq-eval run --numerics portable``): environment settings that make
+#: the float32 forward and the calibration take the same instructions on every x86-64 processor with
+#: AVX2 and FMA, so that a cell reproduces bit for bit across processor models and vendors, at about
+#: 1.5x the time of the native path. MKL's conditional numerical reproducibility mode (its SSE2 code
+#: path, the same on Intel and AMD), ATen's non-vectorized kernels, oneDNN held to SSE4.1, Numba
+#: compiling for a generic x86-64, and the OpenBLAS that numpy ships held to its Haswell kernels.
+#: Read when each library loads: only a fresh process takes them.
+PORTABLE = {"MKL_CBWR": "COMPATIBLE", "ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41",
+            "NUMBA_CPU_NAME": "generic", "OPENBLAS_CORETYPE": "Haswell"}
+#: Every environment variable that selects a numeric path (recorded in ``environment()``).
+NUMERIC_KNOBS = tuple(PORTABLE) + ("MKL_ENABLE_INSTRUCTIONS", "NPY_DISABLE_CPU_FEATURES", "NUMBA_CPU_FEATURES")
+
+
+def numerics(environ=None) -> str:
+    """``"portable"`` where ``environ`` (default ``os.environ``) holds every ``PORTABLE`` setting,
+    else ``"native"`` (each library picks the fastest kernels of this processor)."""
+    environ = os.environ if environ is None else environ
+    return "portable" if all(environ.get(k) == v for k, v in PORTABLE.items()) else "native"
+
+
+def portable_environ(environ=None) -> dict:
+    """A copy of ``environ`` (default ``os.environ``) with the ``PORTABLE`` settings, for a child
+    process; a knob that would move the path elsewhere (``NUMERIC_KNOBS`` outside ``PORTABLE``) is
+    dropped."""
+    out = dict(os.environ if environ is None else environ)
+    for k in NUMERIC_KNOBS:
+        out.pop(k, None)
+    out.update(PORTABLE)
+    return out
 
 
 def finished() -> str:
@@ -63,16 +95,19 @@ def _cpu_model() -> str:
 
 
 def environment() -> dict:
-    """Protocol, code commit, the CPU kernels torch dispatches to (``cpu``: e.g. ``AVX512``) and the
-    processor model (``cpu_model``), thread counts (torch, Numba, ``OMP_NUM_THREADS``) and versions:
-    what the float32 forward's last bits depend on (and quantized results amplify)."""
+    """Protocol, code commit, the CPU kernels torch dispatches to (``cpu``: e.g. ``AVX512``), the
+    processor model (``cpu_model``), the numeric path (``numerics``: ``"native"`` or ``"portable"``,
+    and ``numeric_env``, the ``NUMERIC_KNOBS`` that are set), thread counts (torch, Numba,
+    ``OMP_NUM_THREADS``) and versions: what the float32 forward's last bits depend on (and quantized
+    results amplify)."""
     import numba
     import numpy
     import torch
     import transformers
 
     return {"protocol": PROTOCOL, "code": _code(), "cpu": torch.backends.cpu.get_cpu_capability(),
-            "cpu_model": _cpu_model(),
+            "cpu_model": _cpu_model(), "numerics": numerics(),
+            "numeric_env": {k: os.environ[k] for k in NUMERIC_KNOBS if k in os.environ},
             "threads": {"torch": torch.get_num_threads(), "numba": numba.get_num_threads(),
                         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")},
             "versions": {"numpy": numpy.__version__, "torch": torch.__version__,
