@@ -164,3 +164,49 @@ def test_compare_runs_refuses_what_is_not_two_runs_of_one_grid(tmp_path):
     with pytest.raises(ValueError, match="share no needle sample"):
         compare_runs(tmp_path / "a", tmp_path / "c", "m")
     assert main(["reproduce", str(tmp_path / "a"), str(tmp_path / "b"), "--model", "m"]) == 2
+
+
+NUMERICS = ROOT / "results" / "numerics"
+
+
+def _make_numerics_runs() -> list[list[str]]:
+    """The ``kvq-eval`` argument lists of ``make numerics``'s recipe (``make -n``: printed, not run)."""
+    import shlex
+    import subprocess
+
+    lines = subprocess.run(["make", "-n", "-s", "-C", str(ROOT), "numerics"], capture_output=True, text=True,
+                           check=True).stdout.splitlines()
+    runs = []
+    for line in lines:
+        argv = shlex.split(line)
+        i = next((j for j, a in enumerate(argv) if a.endswith("kvq-eval")), None)
+        if i is not None:
+            runs.append(argv[i + 1:])
+    return runs
+
+
+@pytest.mark.skipif(not (NUMERICS / "smollm2.json").exists(), reason="results/numerics is not committed yet")
+def test_make_numerics_regenerates_the_committed_study():
+    """The committed cells are the cells of ``make numerics``'s two runs (one native, one portable,
+    the same grid), every entry was computed on the path its folder names, and the committed
+    comparison is ``kvq-eval reproduce`` of the two folders, recomputed here."""
+    from kvq_eval.cli import _parser, grid_kwargs
+    from kvq_eval.grid import plan
+
+    runs = _make_numerics_runs()
+    assert [r[0] for r in runs] == ["run", "run", "reproduce"], runs
+    kws = [grid_kwargs(_parser().parse_args(r)) for r in runs[:2]]
+    assert {**kws[0], "out": None} == {**kws[1], "out": None}  # the same grid on both paths
+    assert "--portable" in runs[1] and "--portable" not in runs[0]
+    for kw, path in zip(kws, ("native", "portable")):
+        assert Path(kw["out"]) == Path("results/numerics") / path
+        units = plan(**{**kw, "out": ROOT / kw["out"]})
+        for u in units:
+            cell = json.loads(Path(u["path"]).read_text())  # every cell of the grid is committed ...
+            assert set(cell["results"]) == set(u["entries"]), u["path"]  # ... with every entry
+            for name, entry in cell["results"].items():
+                assert entry["provenance"]["numerics"] == path, (u["path"], name)
+        assert len(units) == len(list((ROOT / kw["out"] / "smollm2" / "niah").glob("*.json")))
+    stored = json.loads((NUMERICS / "smollm2.json").read_text())
+    fresh = compare_runs(ROOT / "results/numerics/native", ROOT / "results/numerics/portable", "smollm2")
+    assert json.loads(json.dumps(fresh, sort_keys=True).replace(str(ROOT) + "/", "")) == stored
