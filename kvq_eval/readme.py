@@ -18,6 +18,9 @@ every unmarked table are left as they are. Markers:
   the grid's depths and samples);
 - ``<!-- kvq-eval sink FILE MODEL[,MODEL...] -->``: ``sink.sink_table`` of each model's ``kvq-eval
   sink`` report ``<results>/MODEL/FILE`` (a row of "–" while that file is absent);
+- ``<!-- kvq-eval reproduce FILE.json -->``: ``reproduce.format_comparison`` of a committed
+  ``kvq-eval reproduce -o`` file, ``FILE`` relative to the folder above the results folder
+  (``results/numerics/smollm2.json`` is ``numerics/smollm2.json``);
 - ``<!-- kvq-eval study MODEL -->``: the planner's study of that model (``planstudy.study_table``),
   read from ``plan/MODEL/study.json`` beside the results folder (``results/plan`` for
   ``results/eval_v3``), or a row saying that the study has not been run while that file is absent.
@@ -39,7 +42,7 @@ from .recommend import recommend_table
 __all__ = ["refresh_markdown", "refresh_file"]
 
 Results = Callable[[str], dict]  # model -> load_results of that model, loaded once
-_MARK = re.compile(r"^<!-- kvq-eval (table|compare|recommend|overlap|study|sink) (.+?) -->$")
+_MARK = re.compile(r"^<!-- kvq-eval (table|compare|recommend|overlap|study|sink|reproduce) (.+?) -->$")
 GRID_DEPTHS, GRID_SAMPLES = (0.1, 0.3, 0.5, 0.7, 0.9), 6  # make eval's needles (30 per context)
 _TABLE = re.compile(r"^(\w+)(?: (single|multiquery|decode|-))?(?: (all|filled))?$")
 _COMPARE = re.compile(r"^(\w+) (\S+) (\S+) (ppl|needles)(?: (single|multiquery|all))?$")
@@ -130,6 +133,16 @@ def _generate(kind: str, args: str, old: list[list[str]], results: Results, wher
         if not m:
             raise ValueError(f"{where}: expected '<!-- kvq-eval sink FILE.json MODEL[,MODEL...] -->'")
         return _parse(sink_markdown(folder, m.group(1), m.group(2).split(",")))
+    if kind == "reproduce":
+        from .reproduce import format_comparison
+
+        path = folder.parent / args.strip()
+        if not re.fullmatch(r"[\w./-]+\.json", args.strip()) or not path.is_file():
+            raise ValueError(f"{where}: expected '<!-- kvq-eval reproduce FILE.json -->' naming a file under "
+                             f"{folder.parent}")
+        import json
+
+        return _parse(format_comparison(json.loads(path.read_text())))
     if kind == "study":
         if not re.fullmatch(r"\w+", args.strip()):
             raise ValueError(f"{where}: expected '<!-- kvq-eval study MODEL -->'")

@@ -281,3 +281,29 @@ def test_the_sink_table_comes_from_the_sink_reports(tmp_path):
         refresh_markdown(page, results, "page.md")
     with pytest.raises(ValueError, match="expected '<!-- kvq-eval sink FILE.json"):
         refresh_markdown("<!-- kvq-eval sink smollm2 -->\n| x |\n|---|\n", results, "page.md")
+
+
+def test_the_reproduce_table_comes_from_a_committed_comparison(tmp_path):
+    """``<!-- kvq-eval reproduce FILE.json -->`` renders a ``kvq-eval reproduce -o`` file (the folder
+    above the results folder is its root): one row per entry and needle column, the numbers of the
+    JSON; a missing file or a bad argument is refused naming the marker."""
+    from kvq_eval.reproduce import format_comparison
+
+    results = tmp_path / "eval_v3"
+    results.mkdir()
+    summary = {"n": 30, "identical": 11, "exact_a": 20, "exact_b": 21,
+               "mcnemar": {"a_only": 1, "b_only": 2, "p": 1.0}, "max_abs_logprob_diff": 0.5,
+               "logprob_diff": {"mean": 0.01, "ci": [-0.02, 0.04], "p_t": 0.5, "p_signflip": 0.5}}
+    cmp = {"a": "x/native", "b": "x/portable", "model": "smollm2", "ppl": {},
+           "niah": {"tq_mse3@none": {"single@1024": summary}}}
+    (tmp_path / "numerics").mkdir()
+    (tmp_path / "numerics" / "s.json").write_text(json.dumps(cmp))
+    page = "<!-- kvq-eval reproduce numerics/s.json -->\n| x |\n|---|\n"
+    out = refresh_markdown(page, results, "page.md")
+    rows = _parse_rows(out)
+    assert rows[0][0] == "entry" and rows[1][:5] == ["tq_mse3@none", "needle single@1024", "30", "11", "20 / 21 (1)"]
+    assert "+0.010 [-0.020, +0.040] nats" in rows[1]
+    assert out.split("\n", 1)[1].strip() == "\n".join(format_comparison(cmp).splitlines()[2:])
+    assert refresh_markdown(out, results, "page.md") == out
+    with pytest.raises(ValueError, match="expected '<!-- kvq-eval reproduce FILE.json"):
+        refresh_markdown("<!-- kvq-eval reproduce numerics/none.json -->\n| x |\n|---|\n", results, "page.md")
