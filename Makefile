@@ -91,7 +91,8 @@ repro: $(STAMP)
 # How far a processor's numeric path moves the evaluation's numbers (docs/evaluation.md,
 # reproducibility): 30 single-needle samples at 1K of four methods on the native path (this
 # machine's fastest kernels) and on the portable one, each with its own calibration, paired by
-# kvq-eval reproduce. About 1.5 hours of one core; resumable.
+# kvq-eval reproduce; then the committed 1K NOVA-KV sink needles of results/eval_v3 rerun on this
+# machine (its own 8K calibration) and paired with them. About 1.5 hours of one core; resumable.
 NUMERICS_OUT := results/numerics
 NUMERICS_GRID := --model smollm2 --methods tq_mse3,kivi2,quarot4,nova --band none --tasks niah --variants single \
 	--ctx 1024 --depths 0.1,0.3,0.5,0.7,0.9 --samples 6 --calib-tokens 1024
@@ -100,6 +101,11 @@ numerics: $(STAMP)
 	$(ONE_THREAD) $(VENV)/bin/kvq-eval run $(NUMERICS_GRID) --portable --out $(NUMERICS_OUT)/portable
 	$(VENV)/bin/kvq-eval reproduce $(NUMERICS_OUT)/native $(NUMERICS_OUT)/portable --model smollm2 \
 	  -o $(NUMERICS_OUT)/smollm2.json
+	$(ONE_THREAD) $(VENV)/bin/kvq-eval run --model smollm2 --methods nova,nova_official --band 1,0 --tasks niah \
+	  --variants single --ctx 1024 --depths 0.1,0.3,0.5,0.7,0.9 --samples 6 --calib-tokens 8192 \
+	  --out $(NUMERICS_OUT)/eval_v3_rerun
+	$(VENV)/bin/kvq-eval reproduce $(EVAL_OUT) $(NUMERICS_OUT)/eval_v3_rerun --model smollm2 \
+	  -o $(NUMERICS_OUT)/smollm2_eval_v3.json
 
 # The planner's study (kvq-plan study, docs/plan.md), resumable, after `make eval`: its uniform
 # baselines are the 8K cells of $(EVAL_OUT). RAY=local|auto as above; `make plan-study DRY=1` counts

@@ -174,8 +174,9 @@ def _make_numerics_runs() -> list[list[str]]:
     import shlex
     import subprocess
 
-    lines = subprocess.run(["make", "-n", "-s", "-C", str(ROOT), "numerics"], capture_output=True, text=True,
-                           check=True).stdout.splitlines()
+    text = subprocess.run(["make", "-n", "-s", "-C", str(ROOT), "numerics"], capture_output=True, text=True,
+                          check=True).stdout
+    lines = text.replace("\\\n", " ").splitlines()  # a recipe line continued with a backslash is one command
     runs = []
     for line in lines:
         argv = shlex.split(line)
@@ -194,7 +195,7 @@ def test_make_numerics_regenerates_the_committed_study():
     from kvq_eval.grid import plan
 
     runs = _make_numerics_runs()
-    assert [r[0] for r in runs] == ["run", "run", "reproduce"], runs
+    assert [r[0] for r in runs] == ["run", "run", "reproduce", "run", "reproduce"], runs
     kws = [grid_kwargs(_parser().parse_args(r)) for r in runs[:2]]
     assert {**kws[0], "out": None} == {**kws[1], "out": None}  # the same grid on both paths
     assert "--portable" in runs[1] and "--portable" not in runs[0]
@@ -207,6 +208,17 @@ def test_make_numerics_regenerates_the_committed_study():
             for name, entry in cell["results"].items():
                 assert entry["provenance"]["numerics"] == path, (u["path"], name)
         assert len(units) == len(list((ROOT / kw["out"] / "smollm2" / "niah").glob("*.json")))
-    stored = json.loads((NUMERICS / "smollm2.json").read_text())
-    fresh = compare_runs(ROOT / "results/numerics/native", ROOT / "results/numerics/portable", "smollm2")
-    assert json.loads(json.dumps(fresh, sort_keys=True).replace(str(ROOT) + "/", "")) == stored
+    # the rerun of committed eval_v3 cells: every cell of its grid, computed on the native path, with
+    # the committed cell's prompt (compare_runs refuses other prompts)
+    kw = grid_kwargs(_parser().parse_args(runs[3]))
+    assert Path(kw["out"]) == Path("results/numerics/eval_v3_rerun")
+    for u in plan(**{**kw, "out": ROOT / kw["out"]}):
+        cell = json.loads(Path(u["path"]).read_text())
+        assert set(cell["results"]) == set(u["entries"]), u["path"]
+        assert all(e["provenance"]["numerics"] == "native" for e in cell["results"].values()), u["path"]
+    for argv, name in ((runs[2], "smollm2.json"), (runs[4], "smollm2_eval_v3.json")):
+        a, b = argv[1], argv[2]
+        assert argv[argv.index("-o") + 1] == f"results/numerics/{name}"
+        stored = json.loads((NUMERICS / name).read_text())
+        fresh = compare_runs(ROOT / a, ROOT / b, "smollm2")
+        assert json.loads(json.dumps(fresh, sort_keys=True).replace(str(ROOT) + "/", "")) == stored, name
