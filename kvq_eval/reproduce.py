@@ -147,6 +147,12 @@ def compare_runs(a, b, model: str) -> dict:
     return {"a": str(a), "b": str(b), "model": model, "niah": niah, "ppl": ppl}
 
 
+def _num(x: float) -> str:
+    """Signed, 3 decimals; below 0.001 (and not 0) in scientific notation, so that a float32
+    rounding difference does not print as 0."""
+    return f"{x:+.3f}" if x == 0 or abs(x) >= 1e-3 else f"{x:+.1e}"
+
+
 def format_comparison(result: dict) -> str:
     """A Markdown table of ``compare_runs``'s needle and perplexity summaries."""
     lines = [f"{result['b']} against {result['a']} ({result['model']}): b - a", "",
@@ -155,7 +161,7 @@ def format_comparison(result: dict) -> str:
     for entry, groups in result["niah"].items():
         for key, s in groups.items():
             d = s.get("logprob_diff")
-            ci = f"{d['mean']:+.3f} [{d['ci'][0]:+.3f}, {d['ci'][1]:+.3f}] nats" if d else "-"
+            ci = f"{_num(d['mean'])} [{_num(d['ci'][0])}, {_num(d['ci'][1])}] nats" if d else "-"
             lines.append(f"| {entry} | needle {key} | {s['n']} | {s['identical']} | {s['exact_a']} / {s['exact_b']} "
                          f"({s['mcnemar']['p']:.2g}) | {ci} | {s['max_abs_logprob_diff']:.3g} |")
     for name, s in result["ppl"].items():
