@@ -137,14 +137,19 @@ def ppl_summary(res: dict) -> dict:
 
 
 def niah_summary(cells: list[dict]) -> dict:
-    """{entry: {context: {"n", "exact", "ci", "dlogprob", "dlogprob_ci", "bits"}}}: exact match with
-    its Wilson interval, and the log-probability change against fp32 with a paired t interval over
-    the samples holding both the entry and fp32 (at least ``MIN_UNITS`` of them)."""
+    """{entry: {context: {"n", "exact", "ci", "dlogprob", "dlogprob_ci", "bits", "calibrations"}}}:
+    exact match with its Wilson interval, the log-probability change against fp32 with a paired t
+    interval over the samples holding both the entry and fp32 (at least ``MIN_UNITS`` of them), and
+    how many calibrations the samples' provenance names (0 for methods without one; above 1 the
+    rate pools samples of two calibrations, each a draw of its own: docs/evaluation.md)."""
     by: dict = {}
     for cell in cells:
         r = cell["results"]
         for e, x in r.items():
-            d = by.setdefault(e, {}).setdefault(cell["context"], {"exact": [], "dlp": [], "bits": []})
+            d = by.setdefault(e, {}).setdefault(cell["context"], {"exact": [], "dlp": [], "bits": [], "calib": set()})
+            digest = ((x.get("provenance") or {}).get("artifacts") or {}).get("calibration")
+            if digest:
+                d["calib"].add(digest)
             d["exact"].append(int(x["exact"]))
             d["bits"].append(x.get("bits_per_element", 32.0))
             if "fp32" in r and e != "fp32":
@@ -153,7 +158,8 @@ def niah_summary(cells: list[dict]) -> dict:
     for e, ctxs in by.items():
         for c, d in sorted(ctxs.items()):
             n, k = len(d["exact"]), sum(d["exact"])
-            row = {"n": n, "exact": k / n, "ci": wilson_interval(k, n), "bits": float(np.mean(d["bits"]))}
+            row = {"n": n, "exact": k / n, "ci": wilson_interval(k, n), "bits": float(np.mean(d["bits"])),
+                   "calibrations": len(d["calib"])}
             if len(d["dlp"]) >= MIN_UNITS:
                 a, b = np.array(d["dlp"]).T
                 pt = paired_test(a, b)
@@ -326,7 +332,8 @@ def markdown_table(res: dict, variant: str | None = None) -> str:
     """One row per entry (fp32 first, then by stored bits): perplexity change per window length with
     its t interval over windows and pair-weighted stored bits; per needle context the stored bits of the
     decoding cache (mean over samples), exact match with its Wilson interval and the
-    log-probability change against fp32 (``variant`` restricts the needle samples to one variant)."""
+    log-probability change against fp32 (``variant`` restricts the needle samples to one variant);
+    ``(n; k calibrations)`` where a column's samples name k > 1 calibrations."""
     pp = ppl_summary(res)
     cells = [c for c in res["niah"] if variant is None or c["variant"] == variant]
     nh = niah_summary(cells)
@@ -352,7 +359,8 @@ def markdown_table(res: dict, variant: str | None = None) -> str:
                 row += ["–", "–", "–"]
                 continue
             row.append(f"{x['bits']:.2f}")
-            row.append(f"{x['exact']:.2f} [{x['ci'][0]:.2f}, {x['ci'][1]:.2f}] ({x['n']})")
+            mixed = f"; {x['calibrations']} calibrations" if x.get("calibrations", 0) > 1 else ""
+            row.append(f"{x['exact']:.2f} [{x['ci'][0]:.2f}, {x['ci'][1]:.2f}] ({x['n']}{mixed})")
             row.append("–" if "dlogprob" not in x else
                        f"{x['dlogprob']:+.2f} [{x['dlogprob_ci'][0]:+.2f}, {x['dlogprob_ci'][1]:+.2f}]")
         lines.append("| " + " | ".join(row) + " |")

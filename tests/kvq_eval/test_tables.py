@@ -65,6 +65,24 @@ def test_summaries_and_table(folder):
     assert len(paths) == 1 and paths[0].stat().st_size > 10_000
 
 
+def test_a_column_that_pools_two_calibrations_says_so(tmp_path):
+    """A calibrated entry whose samples in one column name two calibration digests is marked
+    "(n; 2 calibrations)"; one digest (or none, a method without calibration) leaves "(n)"."""
+    root = tmp_path / "smollm2"
+    for s in range(4):
+        prov = {"artifacts": {"calibration": "c1" if s < 3 else "c2", "nova_kv": "x"}}
+        for ctx, p in ((1024, prov), (4096, {"artifacts": {"calibration": "c1"}})):
+            _write(root, f"niah/single_ctx{ctx}_d0.5_s{s}.json", {
+                "variant": "single", "context": ctx, "sample": s, "depth": 0.5, "results": {
+                    "fp32": {"exact": 1, "logprob": -1.0},
+                    "nova@1,0": {"exact": int(s < 2), "logprob": -2.0, "bits_per_element": 3.5, "provenance": p}}})
+    nh = niah_summary(load_results(tmp_path, "smollm2")["niah"])
+    assert nh["nova@1,0"][1024]["calibrations"] == 2 and nh["nova@1,0"][4096]["calibrations"] == 1
+    assert nh["fp32"][1024]["calibrations"] == 0
+    row = next(r for r in markdown_table(load_results(tmp_path, "smollm2")).splitlines() if r.startswith("| nova@1,0"))
+    assert "0.50 [0.15, 0.85] (4; 2 calibrations)" in row and row.count("calibrations") == 1
+
+
 def test_entries_filter_keeps_the_needle_reference(folder):
     # filtering to one entry still pairs its needle samples with fp32 (the log-probability change
     # is against fp32), and drops the other entries
