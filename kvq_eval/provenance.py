@@ -21,13 +21,16 @@ __all__ = ["PROTOCOL", "PORTABLE", "NUMERIC_KNOBS", "numerics", "portable_enviro
 PROTOCOL = 3
 
 
-#: The portable numeric path (``kvq-eval run --numerics portable``): environment settings that make
-#: the float32 forward and the calibration take the same instructions on every x86-64 processor with
-#: AVX2 and FMA, so that a cell reproduces bit for bit across processor models and vendors, at about
-#: 1.5x the time of the native path. MKL's conditional numerical reproducibility mode (its SSE2 code
-#: path, the same on Intel and AMD), ATen's non-vectorized kernels, oneDNN held to SSE4.1, Numba
-#: compiling for a generic x86-64, and the OpenBLAS that numpy ships held to its Haswell kernels.
-#: Read when each library loads: only a fresh process takes them.
+#: The portable numeric path (``kvq-eval run --portable``): environment settings that give the
+#: float32 forward and the calibration the same instructions on every x86-64 processor with AVX2 and
+#: FMA, so that a cell reproduces bit for bit across processor models and vendors, at about 1.5x the
+#: time of the native path: MKL's conditional numerical reproducibility mode ``COMPATIBLE`` (the code
+#: path MKL documents as giving the same results on Intel and compatible processors), ATen's
+#: non-vectorized kernels, oneDNN held to SSE4.1, Numba compiling for a generic x86-64, and the
+#: OpenBLAS that numpy ships held to its Haswell kernels (its kernel choice alone changed a NOVA-KV
+#: calibration's digest). Made and checked on an AMD EPYC (two runs, two cache folders, 1 and 2
+#: threads: the same bits); ``tests/kvq_eval/test_reproduce.py`` checks it on whatever processor CI
+#: runs. Read when each library loads: only a fresh process takes them.
 PORTABLE = {"MKL_CBWR": "COMPATIBLE", "ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41",
             "NUMBA_CPU_NAME": "generic", "OPENBLAS_CORETYPE": "Haswell"}
 #: Every environment variable that selects a numeric path (recorded in ``environment()``).
