@@ -91,16 +91,23 @@ repro: $(STAMP)
 # How far a processor's numeric path moves the evaluation's numbers (docs/evaluation.md,
 # reproducibility): 30 single-needle samples at 1K of four methods on the native path (this
 # machine's fastest kernels) and on the portable one, each with its own calibration, paired by
-# kvq-eval reproduce; then the committed 1K NOVA-KV sink needles of results/eval_v3 rerun on this
-# machine (its own 8K calibration) and paired with them. About 1.5 hours of one core; resumable.
+# kvq-eval reproduce; NOVA-KV on the native path with another k-means seed of its calibration (a
+# calibration is a draw: what does another draw move, on one machine?); then the committed 1K
+# NOVA-KV sink needles of results/eval_v3 rerun on this machine (its own 8K calibration) and paired
+# with them. About 1.5 hours of one core; resumable.
 NUMERICS_OUT := results/numerics
-NUMERICS_GRID := --model smollm2 --methods tq_mse3,kivi2,quarot4,nova --band none --tasks niah --variants single \
-	--ctx 1024 --depths 0.1,0.3,0.5,0.7,0.9 --samples 6 --calib-tokens 1024
+NUMERICS_PROMPTS := --model smollm2 --band none --tasks niah --variants single --ctx 1024 \
+	--depths 0.1,0.3,0.5,0.7,0.9 --samples 6 --calib-tokens 1024
+NUMERICS_GRID := --methods tq_mse3,kivi2,quarot4,nova $(NUMERICS_PROMPTS)
 numerics: $(STAMP)
 	$(ONE_THREAD) $(VENV)/bin/kvq-eval run $(NUMERICS_GRID) --out $(NUMERICS_OUT)/native
 	$(ONE_THREAD) $(VENV)/bin/kvq-eval run $(NUMERICS_GRID) --portable --out $(NUMERICS_OUT)/portable
 	$(VENV)/bin/kvq-eval reproduce $(NUMERICS_OUT)/native $(NUMERICS_OUT)/portable --model smollm2 \
 	  -o $(NUMERICS_OUT)/smollm2.json
+	$(ONE_THREAD) $(VENV)/bin/kvq-eval run --methods nova $(NUMERICS_PROMPTS) --calib-seed 1 \
+	  --out $(NUMERICS_OUT)/seed1
+	$(VENV)/bin/kvq-eval reproduce $(NUMERICS_OUT)/native $(NUMERICS_OUT)/seed1 --model smollm2 \
+	  -o $(NUMERICS_OUT)/smollm2_seed1.json
 	$(ONE_THREAD) $(VENV)/bin/kvq-eval run --model smollm2 --methods nova,nova_official --band 1,0 --tasks niah \
 	  --variants single --ctx 1024 --depths 0.1,0.3,0.5,0.7,0.9 --samples 6 --calib-tokens 8192 \
 	  --out $(NUMERICS_OUT)/eval_v3_rerun

@@ -127,10 +127,11 @@ def calibration_folder(name: str, sequences: int = 2, length: int = 1024, iterat
     return cache_dir() / "calibration" / f"{slug(name)}-{key}"
 
 
-def stored_digests(name: str, length: int, official: bool = False) -> dict | None:
+def stored_digests(name: str, length: int, official: bool = False, seed: int = 0) -> dict | None:
     """``CalibrationTables.digests`` of the calibration already on this machine (default settings,
-    ``length`` tokens per sequence), or None when it is not (or only partly) there. Computes nothing."""
-    folder = calibration_folder(name, length=length)
+    ``length`` tokens per sequence, k-means ``seed``), or None when it is not (or only partly) there.
+    Computes nothing."""
+    folder = calibration_folder(name, length=length, seed=seed)
     parts = [folder / "calibration", folder / "nova_kv"] + ([Path(f"{folder}-round_robin") / "nova_kv"] if official else [])
     if not all((p / "manifest.json").is_file() for p in parts):
         return None

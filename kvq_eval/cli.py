@@ -121,18 +121,19 @@ def grid_kwargs(args) -> dict:
                 decode=_decode(args.decode))
 
 
-def _dry_run(kw: dict, calib_tokens: int) -> int:
+def _dry_run(kw: dict, calib_tokens: int, calib_seed: int = 0) -> int:
     """Print what a run would compute: its cells, how many are stored, the missing (task, entry) pairs
     with their counts (a needle sample counts once per entry it lacks) and ``grid.estimate_seconds``.
     Computes nothing."""
-    from .grid import RECENT, _check_calib_tokens, _missing, estimate_seconds, plan
+    from .grid import RECENT, _check_calib_seed, _check_calib_tokens, _missing, estimate_seconds, plan
 
     _check_calib_tokens(calib_tokens)
+    _check_calib_seed(calib_seed)
     units = plan(**kw)
     missing: dict[tuple[str, str], int] = {}
     todo = 0
     for u in units:
-        need = _missing(u, calib_tokens)
+        need = _missing(u, calib_tokens, calib_seed)
         todo += bool(need)
         for e in need:
             key = (u["task"] + (f" {u['cell'][0]} {u['cell'][1]}" if u["task"] == "niah" else
@@ -141,7 +142,7 @@ def _dry_run(kw: dict, calib_tokens: int) -> int:
     print(f"{kw['model']}: {len(units)} cell(s) planned, {len(units) - todo} complete, {todo} missing an entry")
     for (task, entry), n in sorted(missing.items()):
         print(f"  missing  {task:<24} {entry:<36} {n}")
-    seconds, unknown = estimate_seconds(units, calib_tokens) if todo else (0.0, 0)
+    seconds, unknown = estimate_seconds(units, calib_tokens, calib_seed) if todo else (0.0, 0)
     if todo and not seconds:
         print("  no time estimate: no cell of these kinds in this folder has a recorded time yet")
     elif todo:
@@ -184,7 +185,7 @@ def _cmd_run(args) -> int:
     if not args.dry_run:
         check_run_lengths(kw, load_tokenizer(args.model))
     if args.dry_run:
-        return _dry_run(kw, args.calib_tokens)
+        return _dry_run(kw, args.calib_tokens, args.calib_seed)
     t0 = time.perf_counter()
     summary: dict = {}
     interrupted = None
@@ -194,7 +195,7 @@ def _cmd_run(args) -> int:
 
     previous = signal.signal(signal.SIGTERM, stop)
     try:
-        run_grid(**kw, calib_tokens=args.calib_tokens, ray=args.ray, num_gpus=args.ray_gpus, summary=summary,
+        run_grid(**kw, calib_tokens=args.calib_tokens, calib_seed=args.calib_seed, ray=args.ray, num_gpus=args.ray_gpus, summary=summary,
                  reuse=args.reuse, reuse_only=args.reuse_only)
     except KeyboardInterrupt as exc:
         interrupted = str(exc) or "SIGINT"
@@ -388,6 +389,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--decode", default="1024,512,1", help="long decode: PREFIX,NEW,WINDOWS tokens")
     r.add_argument("--calib-tokens", type=int, default=1024,
                    help="length of each of the 2 calibration sequences (calibrated methods)")
+    r.add_argument("--calib-seed", type=int, default=0,
+                   help="the calibration's k-means seed (default 0): another seed is another draw of the same "
+                   "calibration; entries record it when not 0")
     r.add_argument("--out", default="results/eval_v3")
     r.add_argument("--ray", default=None,
                    help="run cells as Ray tasks: 'local' starts a Ray instance on this machine (no cluster needed); "

@@ -74,6 +74,12 @@ def _write(path: Path, obj: dict) -> None:
     tmp.replace(path)
 
 
+def _check_calib_seed(calib_seed) -> None:
+    if isinstance(calib_seed, bool) or not isinstance(calib_seed, int) or calib_seed < 0:
+        raise ValueError(f"calib_seed must be a non-negative integer (the calibration's k-means seed), "
+                         f"got {calib_seed!r}")
+
+
 def _check_calib_tokens(calib_tokens) -> None:
     if isinstance(calib_tokens, bool) or not isinstance(calib_tokens, int) or not 256 <= calib_tokens <= 8192:
         raise ValueError(f"calib_tokens must be an integer in 256..8192 (two calibration sequences), "
@@ -98,14 +104,16 @@ def _own_band(method: str) -> Band:
     return Band(info.get("sink", 0), info.get("window", 0))
 
 
-def _entry_stale(name: str, entry: dict, calib_tokens: int) -> bool:
+def _entry_stale(name: str, entry: dict, calib_tokens: int, calib_seed: int = 0) -> bool:
     method = parse_entry(name)[0]
     if method.startswith("plan:"):  # a plan's entry is of the plan file with that digest only
         from .planfile import registered_plans
 
         have = registered_plans().get(method)
         return have is None or ((entry.get("provenance") or {}).get("artifacts") or {}).get("plan") != have[1]
-    return _calibrated(method) and entry.get("calib_tokens") != calib_tokens
+    # an entry without calib_seed was calibrated with seed 0 (the default, recorded only when not 0)
+    return _calibrated(method) and (entry.get("calib_tokens") != calib_tokens or
+                                    entry.get("calib_seed", 0) != calib_seed)
 
 
 def _read(path: Path) -> dict | None:
@@ -117,17 +125,17 @@ def _read(path: Path) -> dict | None:
         raise ValueError(f"{path}: not a readable result file ({exc}); delete it to recompute the cell") from None
 
 
-def _missing(unit: dict, calib_tokens: int) -> list[str]:
+def _missing(unit: dict, calib_tokens: int, calib_seed: int = 0) -> list[str]:
     """Entries a unit still needs (all of them when its file is absent)."""
     stored = _read(unit["path"])
     if unit["task"] != "niah":
         if stored is None:
             return [unit["entry"]]
-        return [unit["entry"]] if _entry_stale(unit["entry"], stored, calib_tokens) else []
+        return [unit["entry"]] if _entry_stale(unit["entry"], stored, calib_tokens, calib_seed) else []
     if stored is None:
         return list(unit["entries"])
     have = stored["results"]
-    return [e for e in unit["entries"] if e not in have or _entry_stale(e, have[e], calib_tokens)]
+    return [e for e in unit["entries"] if e not in have or _entry_stale(e, have[e], calib_tokens, calib_seed)]
 
 
 def _merge_niah(path: Path, new: dict) -> dict:
@@ -216,7 +224,7 @@ def recent_median(records, latest: int = RECENT) -> float:
     return statistics.median(s for _, s in (dated[-latest:] if dated else records))
 
 
-def estimate_seconds(units: list[dict], calib_tokens: int) -> tuple[float, int]:
+def estimate_seconds(units: list[dict], calib_tokens: int, calib_seed: int = 0) -> tuple[float, int]:
     """(seconds, units without an estimate) of what ``units`` still need, at the speeds the folder's
     own cells recorded: per perplexity window of each length, per needle entry at each context and
     per needle prompt's shared exact prefill at each context (recorded in ``prefills`` by runs since
@@ -235,7 +243,7 @@ def estimate_seconds(units: list[dict], calib_tokens: int) -> tuple[float, int]:
 
     need_of = []  # (unit index, kind, method, count)
     for i, u in enumerate(units):
-        need = _missing(u, calib_tokens)
+        need = _missing(u, calib_tokens, calib_seed)
         stored = _read(u["path"])
         if u["task"] == "ppl":
             kind, method = ("ppl", u["tokens"]), parse_entry(u["entry"])[0]

@@ -51,8 +51,8 @@ from kvq_ref.attention import QuantizedKV, attention_prefill, exact_attention, l
 from .accounting import cache_bits, pair_weighted_bits, spec_rates
 from .band import Band
 from .calib import capture, calibration_tables, token_chunks
-from .grid import (PREFILL_MODES, _calibrated, cell_lock, _check_calib_tokens, _merge_niah, _missing, _partial_path,
-                   _write, entry_id, parse_entry, plan)
+from .grid import (PREFILL_MODES, _calibrated, cell_lock, _check_calib_seed, _check_calib_tokens, _merge_niah,
+                   _missing, _partial_path, _write, entry_id, parse_entry, plan)
 from .hooks import SIMULATION, QuantizedCache, cache_kwargs, register, session
 from .keyopts import key_structure
 from .methods import make_spec, method_info
@@ -98,20 +98,25 @@ class Evaluator:
         Build the calibration tables (cached) for the calibrated methods.
     calib_tokens : int
         Length of each of the two calibration sequences (``benchmarks/nova_position.py``).
+    calib_seed : int
+        The calibration's k-means seed (0 by default): another seed is another draw of the same
+        calibration, which is how ``make numerics`` measures what a calibration draw moves.
     """
 
-    def __init__(self, model_name: str = "smollm2", calibrate: bool = True, calib_tokens: int = 1024):
+    def __init__(self, model_name: str = "smollm2", calibrate: bool = True, calib_tokens: int = 1024,
+                 calib_seed: int = 0):
         import torch
 
         _check_calib_tokens(calib_tokens)
+        _check_calib_seed(calib_seed)
         torch.set_grad_enabled(False)
         self.name = model_name = canonical_model(model_name)
-        self.calib_tokens = calib_tokens
+        self.calib_tokens, self.calib_seed = calib_tokens, calib_seed
         self.model, self.tok, self.info = load_model(model_name)
         register()
         self.model.set_attn_implementation("kvq")
         _check_attention_hooked(self.model, self.info, model_name)
-        self.tables = (calibration_tables(self.model, self.tok, model_name, length=calib_tokens)
+        self.tables = (calibration_tables(self.model, self.tok, model_name, length=calib_tokens, seed=calib_seed)
                        if calibrate else None)
         self._rates: dict = {}
         self.env = environment()
@@ -327,6 +332,8 @@ class Evaluator:
                 entry["band"] = {"sink": spec.sink, "window": spec.window}
                 if _calibrated(method):
                     entry["calib_tokens"] = self.calib_tokens
+                    if self.calib_seed:
+                        entry["calib_seed"] = self.calib_seed
             else:
                 entry["bits_per_element"] = 32.0
             entry["seconds"], entry["finished"] = time.perf_counter() - t0, finished()
@@ -410,6 +417,8 @@ def compute(ev: Evaluator, unit: dict, need: list[str], resumable: bool = False)
     res["entry"] = unit["entry"]
     if _calibrated(method):
         res["calib_tokens"] = ev.calib_tokens
+        if ev.calib_seed:
+            res["calib_seed"] = ev.calib_seed
     return res
 
 
@@ -430,7 +439,8 @@ def _finish(model: str, unit: dict, res: dict, seconds: float) -> None:
 _WORKER_EVALUATORS: dict = {}
 
 
-def _worker_compute(model: str, calibrate: bool, calib_tokens: int, unit: dict, need: list[str], plans=()):
+def _worker_compute(model: str, calibrate: bool, calib_tokens: int, unit: dict, need: list[str], plans=(),
+                    calib_seed: int = 0):
     """A Ray task: (result, seconds); the evaluator is built once per worker process. A perplexity
     cell resumes from (and saves) its finished windows like a serial run: on a shared folder an
     interrupted Ray run also continues where it stopped. ``plans``: the driver's registered plans
@@ -444,9 +454,9 @@ def _worker_compute(model: str, calibrate: bool, calib_tokens: int, unit: dict, 
     share_threads(torch)
     for obj in plans:
         register_plan(plan_from_json(obj))
-    key = (model, calibrate, calib_tokens)
+    key = (model, calibrate, calib_tokens, calib_seed)
     if key not in _WORKER_EVALUATORS:
-        _WORKER_EVALUATORS[key] = Evaluator(model, calibrate=calibrate, calib_tokens=calib_tokens)
+        _WORKER_EVALUATORS[key] = Evaluator(model, calibrate=calibrate, calib_tokens=calib_tokens, calib_seed=calib_seed)
     t0 = time.perf_counter()
     res = compute(_WORKER_EVALUATORS[key], unit, need, resumable=True)
     return res, time.perf_counter() - t0
@@ -486,7 +496,7 @@ def ray_map(fn, calls: list, on_result, address, num_gpus: float, show: bool, de
             ray.shutdown()
 
 
-def _run_ray(model, todo, calibrate, calib_tokens, address, num_gpus, show, summary):
+def _run_ray(model, todo, calibrate, calib_tokens, address, num_gpus, show, summary, calib_seed=0):
     from .planfile import plan_json, registered_plans
 
     plans = [plan_json(p) for p, _ in registered_plans().values()]
@@ -495,11 +505,12 @@ def _run_ray(model, todo, calibrate, calib_tokens, address, num_gpus, show, summ
         _finish(model, todo[i][0], *out)
         summary["ran"] += 1
 
-    ray_map(_worker_compute, [(model, calibrate, calib_tokens, unit, need, plans) for unit, need in todo], finished,
+    ray_map(_worker_compute, [(model, calibrate, calib_tokens, unit, need, plans, calib_seed) for unit, need in todo],
+            finished,
             address, num_gpus, show, f"kvq-eval {model} (ray)")
 
 
-def _reuse(model: str, todo: list, out, old, calib_tokens: int) -> dict:
+def _reuse(model: str, todo: list, out, old, calib_tokens: int, calib_seed: int = 0) -> dict:
     """``reuse.reuse_cells`` with this machine's windows and calibration digests."""
     from .calib import stored_digests, token_chunks
     from .models import load_tokenizer
@@ -513,7 +524,7 @@ def _reuse(model: str, todo: list, out, old, calib_tokens: int) -> dict:
         return [ids_sha256(x) for x in token_chunks(tok, part(text), tokens, count, spread=text == "short")]
 
     def digests(method):
-        return stored_digests(model, calib_tokens, official=method.split(":")[0] == "nova_official")
+        return stored_digests(model, calib_tokens, official=method.split(":")[0] == "nova_official", seed=calib_seed)
 
     def artifacts(method):  # what Evaluator.provenance(method) holds, for _partial_key
         d = digests(method) if _calibrated(method) else None
@@ -525,7 +536,7 @@ def _reuse(model: str, todo: list, out, old, calib_tokens: int) -> dict:
 
 def run_grid(model: str, methods, out, contexts=(1024,), tasks=("ppl", "niah"), variants=VARIANTS,
              depths=(0.25, 0.5, 0.75), samples: int = 10, bands=("none",), prefill=("exact",),
-             ppl_windows=((1024, 8),), decode=(1024, 512, 1), calib_tokens: int = 1024,
+             ppl_windows=((1024, 8),), decode=(1024, 512, 1), calib_tokens: int = 1024, calib_seed: int = 0,
              progress: bool | None = None, ray: str | None = None, num_gpus: float = 0.0,
              summary: dict | None = None, reuse=None, reuse_only: bool = False) -> dict:
     """Run every missing cell of the grid and return a summary of what was run.
@@ -546,6 +557,9 @@ def run_grid(model: str, methods, out, contexts=(1024,), tasks=("ppl", "niah"), 
     decode : (prefix tokens, new tokens, windows)
     calib_tokens : int
         Calibration sequence length, recorded with every calibrated entry.
+    calib_seed : int
+        The calibration's k-means seed, recorded (as ``calib_seed``) with every calibrated entry
+        when not 0; an entry of another seed counts as missing.
     ray : str, optional
         ``"auto"``/an address: run the cells as Ray tasks on that cluster; ``"local"``: start a
         local Ray instance. The driver writes the same per-cell JSON as a serial run.
@@ -565,16 +579,17 @@ def run_grid(model: str, methods, out, contexts=(1024,), tasks=("ppl", "niah"), 
     from tqdm import tqdm
 
     _check_calib_tokens(calib_tokens)
+    _check_calib_seed(calib_seed)
     if reuse_only and reuse is None:
         raise ValueError("--reuse-only needs a folder to reuse (--reuse OLD)")
     units = plan(model, methods, out, contexts, tasks, variants, depths, samples, bands, prefill,
                  ppl_windows, decode)
-    todo = [(u, need) for u in units if (need := _missing(u, calib_tokens))]
+    todo = [(u, need) for u in units if (need := _missing(u, calib_tokens, calib_seed))]
     summary = {} if summary is None else summary
     summary.update(cells=len(units), done_before=len(units) - len(todo), ran=0)
     if reuse is not None and todo:
-        summary["reused"] = _reuse(model, todo, out, reuse, calib_tokens)
-        todo = [(u, need) for u in units if (need := _missing(u, calib_tokens))]
+        summary["reused"] = _reuse(model, todo, out, reuse, calib_tokens, calib_seed)
+        todo = [(u, need) for u in units if (need := _missing(u, calib_tokens, calib_seed))]
         summary["done_before"] = len(units) - len(todo)
     if reuse_only:
         summary["left"] = len(todo)
@@ -591,9 +606,9 @@ def run_grid(model: str, methods, out, contexts=(1024,), tasks=("ppl", "niah"), 
                       f"calibrated on (see benchmarks/nova_position.py)", stacklevel=2)
     show = sys.stderr.isatty() if progress is None else progress
     if ray is not None:
-        _run_ray(model, todo, bool(calibrated), calib_tokens, ray, num_gpus, show, summary)
+        _run_ray(model, todo, bool(calibrated), calib_tokens, ray, num_gpus, show, summary, calib_seed)
     else:
-        ev = Evaluator(model, calibrate=bool(calibrated), calib_tokens=calib_tokens)
+        ev = Evaluator(model, calibrate=bool(calibrated), calib_tokens=calib_tokens, calib_seed=calib_seed)
         for unit, need in tqdm(todo, desc=f"kvq-eval {model}", unit="cell", disable=not show, file=sys.stderr):
             t0 = time.perf_counter()
             res = compute(ev, unit, need, resumable=True)

@@ -87,6 +87,11 @@ def test_missing_entries_of_stored_cells(tmp_path):
     assert _missing(ppl, 8192) == ["nova@none"]
     _write(ppl["path"], {"entry": "nova@none", "calib_tokens": 8192})
     assert _missing(ppl, 8192) == [] and _missing(ppl, 2048) == ["nova@none"]
+    # another calibration seed is another calibration: an entry without calib_seed has seed 0
+    assert _missing(ppl, 8192, calib_seed=1) == ["nova@none"]
+    _write(ppl["path"], {"entry": "nova@none", "calib_tokens": 8192, "calib_seed": 1})
+    assert _missing(ppl, 8192, calib_seed=1) == [] and _missing(ppl, 8192) == ["nova@none"]
+    assert _missing(unit, 1024, calib_seed=2) == ["nova@none"]  # tq_mse3 has no calibration
 
 
 def test_needle_cells_merge_only_the_same_sample(tmp_path):

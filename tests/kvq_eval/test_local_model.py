@@ -126,6 +126,19 @@ def test_kvq_eval_and_kvq_plan_on_a_local_model(tiny, tmp_path, capsys):
     for cell in cells.values():  # finite, and quantized (not silently the fp32 forward)
         assert len(cell["windows"]) == 2 and all(math.isfinite(w["nll_q"]) and w["kl"] > 0 for w in cell["windows"])
     assert any(p.name.startswith(name) for p in (models.cache_dir() / "calibration").iterdir())
+    assert "calib_seed" not in cells["nova"]  # seed 0, the default, is not written
+    # another k-means seed is another calibration: only the calibrated entry is recomputed, records
+    # its seed and names other tables; a run back on seed 0 computes it again
+    assert eval_main(["run", "--model", str(tiny), "--methods", "tq_mse4,nova", "--band", "none", "--tasks", "ppl",
+                      "--ppl-windows", "32x2", "--calib-tokens", "256", "--calib-seed", "1", "--out", str(res)]) == 0
+    seeded = {m: json.loads((res / name / "ppl" / f"{m}__none__T32x2.json").read_text()) for m in ("tq_mse4", "nova")}
+    assert seeded["tq_mse4"] == cells["tq_mse4"] and seeded["nova"]["calib_seed"] == 1
+    assert seeded["nova"]["provenance"]["artifacts"]["nova_kv"] != cells["nova"]["provenance"]["artifacts"]["nova_kv"]
+    assert eval_main(["run", "--model", str(tiny), "--methods", "nova", "--band", "none", "--tasks", "ppl",
+                      "--ppl-windows", "32x2", "--calib-tokens", "256", "--out", str(res), "--dry-run"]) == 0
+    assert "missing  ppl 32x2" in capsys.readouterr().out
+    assert eval_main(["run", "--model", str(tiny), "--methods", "nova", "--calib-seed", "-1", "--out", str(res)]) == 2
+    assert "calib_seed must be a non-negative integer" in capsys.readouterr().err
     # d = 32: codes and a 16-bit norm per vector, 4 + 16/32 bits
     assert cells["tq_mse4"]["bits_per_element"] == 4.5
     # the plan search and its evaluation

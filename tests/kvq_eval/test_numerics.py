@@ -197,7 +197,7 @@ def test_make_numerics_regenerates_the_committed_study():
     from kvq_eval.grid import plan
 
     runs = _make_numerics_runs()
-    assert [r[0] for r in runs] == ["run", "run", "reproduce", "run", "reproduce"], runs
+    assert [r[0] for r in runs] == ["run", "run", "reproduce", "run", "reproduce", "run", "reproduce"], runs
     kws = [grid_kwargs(_parser().parse_args(r)) for r in runs[:2]]
     assert {**kws[0], "out": None} == {**kws[1], "out": None}  # the same grid on both paths
     assert "--portable" in runs[1] and "--portable" not in runs[0]
@@ -210,15 +210,25 @@ def test_make_numerics_regenerates_the_committed_study():
             for name, entry in cell["results"].items():
                 assert entry["provenance"]["numerics"] == path, (u["path"], name)
         assert len(units) == len(list((ROOT / kw["out"] / "smollm2" / "niah").glob("*.json")))
-    # the rerun of committed eval_v3 cells: every cell of its grid, computed on the native path, with
-    # the committed cell's prompt (compare_runs refuses other prompts)
-    kw = grid_kwargs(_parser().parse_args(runs[3]))
-    assert Path(kw["out"]) == Path("results/numerics/eval_v3_rerun")
-    for u in plan(**{**kw, "out": ROOT / kw["out"]}):
-        cell = json.loads(Path(u["path"]).read_text())
-        assert set(cell["results"]) == set(u["entries"]), u["path"]
-        assert all(e["provenance"]["numerics"] == "native" for e in cell["results"].values()), u["path"]
-    for argv, name in ((runs[2], "smollm2.json"), (runs[4], "smollm2_eval_v3.json")):
+    # NOVA-KV with calibration seed 1 on the same prompts, and the rerun of committed eval_v3 cells:
+    # every cell of their grids, on the native path, with the committed cell's prompt (compare_runs
+    # refuses other prompts); the seeded entries record their seed and name another calibration
+    seeded = _parser().parse_args(runs[3])
+    assert seeded.calib_seed == 1 and {**grid_kwargs(seeded), "out": None, "methods": None} == \
+        {**kws[0], "out": None, "methods": None}
+    native_digest = json.loads(next((ROOT / kws[0]["out"] / "smollm2" / "niah").glob("*.json")).read_text())[
+        "results"]["nova@none"]["provenance"]["artifacts"]["nova_kv"]
+    for argv, out in ((runs[3], "seed1"), (runs[5], "eval_v3_rerun")):
+        kw = grid_kwargs(_parser().parse_args(argv))
+        assert Path(kw["out"]) == Path("results/numerics") / out
+        for u in plan(**{**kw, "out": ROOT / kw["out"]}):
+            cell = json.loads(Path(u["path"]).read_text())
+            assert set(cell["results"]) == set(u["entries"]), u["path"]
+            assert all(e["provenance"]["numerics"] == "native" for e in cell["results"].values()), u["path"]
+            if out == "seed1":
+                nova = cell["results"]["nova@none"]
+                assert nova["calib_seed"] == 1 and nova["provenance"]["artifacts"]["nova_kv"] != native_digest
+    for argv, name in ((runs[2], "smollm2.json"), (runs[4], "smollm2_seed1.json"), (runs[6], "smollm2_eval_v3.json")):
         a, b = argv[1], argv[2]
         assert argv[argv.index("-o") + 1] == f"results/numerics/{name}"
         stored = json.loads((NUMERICS / name).read_text())
