@@ -27,8 +27,10 @@ Tasks
 
 Results go to ``OUT/<model>/<task>/<cell>.json``. A run computes only what is missing; a needle
 cell gains the entries a later run adds (same sample: its keys, values and prompt length must
-match). Calibrated methods record ``calib_tokens``; an entry made with another length is
-recomputed. Every entry records its band, stored bits (``kvq_eval.accounting``), wall time, when it
+match), and a serial run stores each of a prompt's entries as it finishes (a perplexity cell each
+window, beside the file), so that a stopped run loses at most the entry or window in progress.
+Calibrated methods record ``calib_tokens`` (and ``calib_seed`` when not 0); an entry made with
+another calibration is recomputed. Every entry records its band, stored bits (``kvq_eval.accounting``), wall time, when it
 finished (UTC, ``provenance.finished``: dry-run estimates price from the newest records) and
 ``provenance`` (protocol, code commit, threads, versions, calibration artifact digests).
 """
@@ -289,8 +291,13 @@ class Evaluator:
             return self.model(ids, **cache_kwargs(self.model, cache), use_cache=True).logits[0]
 
     # --- niah -----------------------------------------------------------------------------------
-    def niah(self, entries, variant: str, context: int, depth: float, sample: int, max_new: int | None = None) -> dict:
-        """One needle sample scored by every entry (``entry_id`` strings), one exact prefill shared."""
+    def niah(self, entries, variant: str, context: int, depth: float, sample: int, max_new: int | None = None,
+             on_entry=None) -> dict:
+        """One needle sample scored by every entry (``entry_id`` strings), one exact prefill shared.
+
+        ``on_entry(part)``, if given, receives each entry as it finishes: the cell's fields with that
+        entry alone in ``results`` (and the prefill's record in ``prefills`` of the first part only),
+        so that a caller can store it before the next one (an 8K prompt's entries take minutes)."""
         import torch
 
         s = make_sample(self.tok, variant, context, depth, sample)
@@ -304,6 +311,9 @@ class Evaluator:
         # the dry run's estimate adds it once per prompt that still lacks an entry
         prefills = [{"seconds": time.perf_counter() - t0, "finished": finished()}]
         eos = self.tok.eos_token_id
+        head = {"variant": variant, "context": context, "depth": depth, "sample": sample, "keys": list(s.keys),
+                "values": list(s.values), "offset": s.offset, "chat": s.chat, "haystack": haystack_part(context),
+                "prompt_tokens": int(doc.shape[1] + question.shape[1])}
         results = {}
         for name in entries:
             t0 = time.perf_counter()
@@ -339,9 +349,9 @@ class Evaluator:
             entry["seconds"], entry["finished"] = time.perf_counter() - t0, finished()
             entry["provenance"] = self.provenance(method)
             results[name] = entry
-        return {"variant": variant, "context": context, "depth": depth, "sample": sample, "keys": list(s.keys),
-                "values": list(s.values), "offset": s.offset, "chat": s.chat, "haystack": haystack_part(context),
-                "prompt_tokens": int(doc.shape[1] + question.shape[1]), "prefills": prefills, "results": results}
+            if on_entry is not None:
+                on_entry({**head, "prefills": prefills if len(results) == 1 else [], "results": {name: entry}})
+        return {**head, "prefills": prefills, "results": results}
 
     # --- decode ---------------------------------------------------------------------------------
     def decode(self, name: str, prefix: int = 1024, new_tokens: int = 512, windows: int = 1) -> dict:
@@ -420,6 +430,26 @@ def compute(ev: Evaluator, unit: dict, need: list[str], resumable: bool = False)
         if ev.calib_seed:
             res["calib_seed"] = ev.calib_seed
     return res
+
+
+def _run_unit(model: str, ev: Evaluator, unit: dict, need: list[str]) -> None:
+    """Compute one unit and store it (the serial path). A needle prompt stores each entry as it
+    finishes (``Evaluator.niah``'s ``on_entry``), so that a run stopped within a prompt keeps the
+    entries it finished; the stored cell is the one a single write would make (the same results and
+    prefill record, ``wall_seconds`` the sum of the parts)."""
+    last = time.perf_counter()
+
+    def store(part: dict) -> None:
+        nonlocal last
+        now = time.perf_counter()
+        _finish(model, unit, part, now - last)
+        last = now
+
+    if unit["task"] == "niah":
+        v, c, d, s = unit["cell"]
+        ev.niah(need, v, c, d, s, on_entry=store)
+    else:
+        store(compute(ev, unit, need, resumable=True))
 
 
 def _finish(model: str, unit: dict, res: dict, seconds: float) -> None:
@@ -610,8 +640,6 @@ def run_grid(model: str, methods, out, contexts=(1024,), tasks=("ppl", "niah"), 
     else:
         ev = Evaluator(model, calibrate=bool(calibrated), calib_tokens=calib_tokens, calib_seed=calib_seed)
         for unit, need in tqdm(todo, desc=f"kvq-eval {model}", unit="cell", disable=not show, file=sys.stderr):
-            t0 = time.perf_counter()
-            res = compute(ev, unit, need, resumable=True)
-            _finish(model, unit, res, time.perf_counter() - t0)
+            _run_unit(model, ev, unit, need)
             summary["ran"] += 1
     return summary

@@ -181,3 +181,45 @@ def test_a_model_whose_attention_ignores_the_interface_is_refused(monkeypatch):
     monkeypatch.setattr(runner, "load_model", lambda name: (Legacy(), None, models.MODELS["smollm2"]))
     with pytest.raises(ValueError, match="saw the attention of 0 of its 30 layers"):
         runner.Evaluator("smollm2", calibrate=False)
+
+
+def test_a_needle_prompt_keeps_each_entry_as_it_finishes(tiny, tmp_path, monkeypatch):
+    """The serial run stores a needle prompt's entries one by one: stopped during the third entry,
+    the cell holds the first two and the prefill's record; the resumed run computes only the third;
+    the cell then equals, timings aside, one made by an uninterrupted run."""
+    from kvq_eval import runner
+    from kvq_eval.runner import run_grid
+
+    grid = dict(methods=["tq_mse3", "kivi2"], contexts=(512,), tasks=("niah",), variants=("single",),
+                depths=(0.5,), samples=1, progress=False)
+    run_grid(str(tiny), out=tmp_path / "whole", **grid)
+    calls = []
+    real = runner.Evaluator._calls
+
+    def stop_at_third(self, method, *a, **k):
+        calls.append(method)
+        if len(calls) == 3:
+            raise KeyboardInterrupt("stopped")
+        return real(self, method, *a, **k)
+
+    monkeypatch.setattr(runner.Evaluator, "_calls", stop_at_third)
+    with pytest.raises(KeyboardInterrupt):
+        run_grid(str(tiny), out=tmp_path / "parts", **grid)
+    name = models.slug(str(tiny))
+    (cell_path,) = (tmp_path / "parts" / name / "niah").glob("*.json")
+    part = json.loads(cell_path.read_text())
+    assert list(part["results"]) == ["fp32", "tq_mse3@none"] and len(part["prefills"]) == 1
+    monkeypatch.setattr(runner.Evaluator, "_calls", real)
+    summary = run_grid(str(tiny), out=tmp_path / "parts", **grid)
+    assert summary["ran"] == 1
+    whole = json.loads((tmp_path / "whole" / name / "niah" / cell_path.name).read_text())
+    resumed = json.loads(cell_path.read_text())
+    assert len(resumed["prefills"]) == 2  # one per run that made entries
+
+    def strip(cell):
+        out = {k: v for k, v in cell.items() if k not in ("wall_seconds", "finished", "prefills")}
+        out["results"] = {e: {k: v for k, v in r.items() if k not in ("seconds", "finished")}
+                          for e, r in cell["results"].items()}
+        return out
+
+    assert strip(resumed) == strip(whole)
