@@ -31,6 +31,7 @@ Anything the JSON cannot give (an entry without results, a column the command do
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -140,8 +141,6 @@ def _generate(kind: str, args: str, old: list[list[str]], results: Results, wher
         if not re.fullmatch(r"[\w./-]+\.json", args.strip()) or not path.is_file():
             raise ValueError(f"{where}: expected '<!-- kvq-eval reproduce FILE.json -->' naming a file under "
                              f"{folder.parent}")
-        import json
-
         return _parse(format_comparison(json.loads(path.read_text())))
     if kind == "study":
         if not re.fullmatch(r"\w+", args.strip()):
@@ -156,8 +155,6 @@ def _generate(kind: str, args: str, old: list[list[str]], results: Results, wher
 def study_markdown(path: Path) -> str:
     """``planstudy.study_table`` of the study JSON at ``path``, or a one-row table saying that it has
     not been run while ``path`` is absent; ``ValueError`` naming the file when it is not a study."""
-    import json
-
     from .planstudy import study_table
 
     if not path.is_file():
@@ -172,8 +169,6 @@ def study_markdown(path: Path) -> str:
 def sink_markdown(folder: Path, name: str, models) -> str:
     """``sink.sink_table`` of ``folder/MODEL/name`` for each model (a row of "–" where it is absent);
     ``ValueError`` naming the file when it is not JSON or not a sink report."""
-    import json
-
     from .sink import sink_table
 
     reports = []

@@ -12,9 +12,11 @@ The float32 forward's last bits depend on the kernels each library picks for the
 ATen, oneDNN, OpenBLAS, Numba), and a quantizer turns a last-bit change of a key near a decision
 threshold into another code, which an attention read can turn into a visible change of one needle
 answer's log-probability. Such a change is a perturbation of the same size on either path, so it
-has no sign: a paired t interval over samples (``stats.paired_test``) that holds 0 says the two
-paths give the same distribution, and McNemar's exact test does the same for the exact-match
-outcomes. Units are needle samples and perplexity windows, as everywhere in the evaluation.
+has no sign: a paired t interval over samples (``stats.paired_test``) that holds 0 finds no
+difference between the two distributions at that many samples (it does not prove them equal; its
+width says how large a difference could hide), and McNemar's exact test does the same for the
+exact-match outcomes. A calibrated method's calibration is shared by all samples, so a shift it
+causes is the same on every sample and a paired interval does see it. Units are needle samples and perplexity windows, as everywhere in the evaluation.
 """
 
 from __future__ import annotations
