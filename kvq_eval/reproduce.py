@@ -15,8 +15,10 @@ answer's log-probability. Such a change is a perturbation of the same size on ei
 has no sign: a paired t interval over samples (``stats.paired_test``) that holds 0 finds no
 difference between the two distributions at that many samples (it does not prove them equal; its
 width says how large a difference could hide), and McNemar's exact test does the same for the
-exact-match outcomes. A calibrated method's calibration is shared by all samples, so a shift it
-causes is the same on every sample and a paired interval does see it. Units are needle samples and perplexity windows, as everywhere in the evaluation.
+exact-match outcomes. Two runs of a calibrated method (NOVA-KV) on different machines also use
+different calibrations, each shared by all of its run's samples: the paired interval then measures
+that one pair of calibrations, not the spread over calibrations (``--calib-seed`` draws more).
+Units are needle samples and perplexity windows, as everywhere in the evaluation.
 """
 
 from __future__ import annotations

@@ -30,9 +30,10 @@ cell gains the entries a later run adds (same sample: its keys, values and promp
 match), and a serial run stores each of a prompt's entries as it finishes (a perplexity cell each
 window, beside the file), so that a stopped run loses at most the entry or window in progress.
 Calibrated methods record ``calib_tokens`` (and ``calib_seed`` when not 0); an entry made with
-another calibration is recomputed. Every entry records its band, stored bits (``kvq_eval.accounting``), wall time, when it
-finished (UTC, ``provenance.finished``: dry-run estimates price from the newest records) and
-``provenance`` (protocol, code commit, threads, versions, calibration artifact digests).
+another calibration is recomputed. Every entry records its band, stored bits
+(``kvq_eval.accounting``), wall time, when it finished (UTC, ``provenance.finished``: dry-run
+estimates price from the newest records) and ``provenance`` (protocol, code commit, threads,
+versions, calibration artifact digests).
 """
 
 from __future__ import annotations
