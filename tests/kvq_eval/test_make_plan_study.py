@@ -14,20 +14,20 @@ from kvq_eval.sensitivity import _read, joint_units, layer_units, read_cell
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _recipe() -> list[str]:
-    """``make plan-study``'s recipe lines, printed by ``make -n``, not run. The venv's stamp is taken as
-    up to date (``-o``): where it is older than ``pyproject.toml`` (a fresh worktree beside an existing
-    venv), ``make -n`` would otherwise also print the venv recipe, whose continued lines are not shell
-    words on their own."""
-    return subprocess.run(["make", "-n", "-s", "-o", ".venv/.installed-stamp", "-C", str(ROOT), "plan-study"],
-                          capture_output=True, text=True, check=True).stdout.splitlines()
+def _study_lines() -> list[str]:
+    """The ``kvq-plan study`` lines of ``make plan-study``'s recipe, printed by ``make -n``, not run.
+    Only those are parsed: where the venv's stamp is older than ``pyproject.toml`` (a fresh worktree
+    beside an existing venv), the output also holds the venv's recipe, whose backslash-continued
+    lines are not shell words on their own (as ``test_make_eval`` filters its lines)."""
+    lines = subprocess.run(["make", "-n", "-s", "-C", str(ROOT), "plan-study"], capture_output=True, text=True,
+                           check=True).stdout.splitlines()
+    return [line for line in lines if "kvq-plan study" in line]
 
 
 def _study_configs():
     """(config, out folder) of each ``kvq-plan study`` line of ``make plan-study``'s recipe."""
-    lines = _recipe()
     found = []
-    for line in lines:
+    for line in _study_lines():
         argv = shlex.split(line, comments=True)
         for i, a in enumerate(argv[:-1]):
             if a.endswith("kvq-plan") and argv[i + 1] == "study":
@@ -71,5 +71,5 @@ def test_make_plan_study_plans_every_committed_cell():
 
 
 def test_make_plan_study_runs_one_thread_per_process():
-    study = [line for line in _recipe() if "kvq-plan study" in line]
+    study = _study_lines()
     assert len(study) == 2 and all(shlex.split(line)[0] == "OMP_NUM_THREADS=1" for line in study), study
