@@ -4,35 +4,17 @@
 from __future__ import annotations
 
 import json
-import shlex
-import subprocess
 from pathlib import Path
 
 from kvq_eval.cli import _parser, grid_kwargs, main
 from kvq_eval.grid import _write, plan
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.make_recipe import ROOT, recipe, tool_args
 TASK_FOLDERS = ("ppl", "niah", "decode", "layers")
-
-
-def _make_eval_recipe(*variables: str) -> list[str]:
-    """The lines of ``make eval``'s recipe, printed by ``make -n``, not run. The suite runs under
-    ``make test``, so a missing ``make`` is a failure here, not a skip."""
-    return subprocess.run(["make", "-n", "-s", "-C", str(ROOT), "eval", *variables], capture_output=True,
-                          text=True, check=True).stdout.splitlines()
 
 
 def _make_eval_runs() -> list[list[str]]:
     """The ``kvq-eval run`` argument lists of ``make eval``'s recipe."""
-    runs = []
-    for line in _make_eval_recipe():
-        if "kvq-eval run" not in line:
-            continue
-        argv = shlex.split(line, comments=True)
-        for i, a in enumerate(argv[:-1]):
-            if a.endswith("kvq-eval") and argv[i + 1] == "run":
-                runs.append(argv[i + 2:])
-    return runs
+    return tool_args(recipe("eval"), "kvq-eval", "run")
 
 
 def test_make_eval_plans_every_committed_cell():
@@ -62,7 +44,7 @@ def test_make_eval_plans_every_committed_cell():
 
 def test_make_eval_dry_run_computes_nothing():
     """``make eval DRY=1`` passes --dry-run to every run and skips the sink and plot steps."""
-    lines = _make_eval_recipe("DRY=1")
+    lines = recipe("eval", "DRY=1")
     runs = [line for line in lines if "kvq-eval run" in line]
     assert runs and all("--dry-run" in line for line in runs)
     others = [line for line in lines if "kvq-eval run" not in line and
@@ -99,7 +81,7 @@ def test_dry_run_lists_what_is_missing_and_writes_nothing(tmp_path, capsys):
 def test_make_eval_runs_one_thread_per_process():
     """Every computing line of ``make eval`` pins OMP_NUM_THREADS=1 (the Makefile says why): the
     entries added to a committed needle prompt must be computed as its other entries were."""
-    lines = [line for line in _make_eval_recipe() if "kvq-eval run" in line or "kvq-eval sink" in line]
+    lines = [line for line in recipe("eval") if "kvq-eval run" in line or "kvq-eval sink" in line]
     assert len(lines) >= 10
     for line in lines:
         assert line.split("do ", 1)[-1].split()[0] == "OMP_NUM_THREADS=1", line

@@ -5,35 +5,20 @@ machine), so each must be a cell of the Makefile's study with that study's setti
 from __future__ import annotations
 
 import shlex
-import subprocess
 from pathlib import Path
 
 from kvq_eval.plancli import _config, _parser
 from kvq_eval.sensitivity import _read, joint_units, layer_units, read_cell
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _study_lines() -> list[str]:
-    """The ``kvq-plan study`` lines of ``make plan-study``'s recipe, printed by ``make -n``, not run.
-    Only those are parsed: where the venv's stamp is older than ``pyproject.toml`` (a fresh worktree
-    beside an existing venv), the output also holds the venv's recipe, whose backslash-continued
-    lines are not shell words on their own (as ``test_make_eval`` filters its lines)."""
-    lines = subprocess.run(["make", "-n", "-s", "-C", str(ROOT), "plan-study"], capture_output=True, text=True,
-                           check=True).stdout.splitlines()
-    return [line for line in lines if "kvq-plan study" in line]
+from tests.make_recipe import ROOT, recipe, tool_args
 
 
 def _study_configs():
-    """(config, out folder) of each ``kvq-plan study`` line of ``make plan-study``'s recipe."""
+    """(config, out folder) of each ``kvq-plan study`` command of ``make plan-study``'s recipe."""
     found = []
-    for line in _study_lines():
-        argv = shlex.split(line, comments=True)
-        for i, a in enumerate(argv[:-1]):
-            if a.endswith("kvq-plan") and argv[i + 1] == "study":
-                args = _parser().parse_args(argv[i + 1:])
-                target = float(args.targets.split(",")[0])  # every target shares the cells
-                found.append((_config(args, target), ROOT / args.out))
+    for argv in tool_args(recipe("plan-study"), "kvq-plan", "study"):
+        args = _parser().parse_args(["study", *argv])
+        target = float(args.targets.split(",")[0])  # every target shares the cells
+        found.append((_config(args, target), ROOT / args.out))
     return found
 
 
@@ -71,5 +56,5 @@ def test_make_plan_study_plans_every_committed_cell():
 
 
 def test_make_plan_study_runs_one_thread_per_process():
-    study = _study_lines()
+    study = [line for line in recipe("plan-study") if "kvq-plan study" in line]
     assert len(study) == 2 and all(shlex.split(line)[0] == "OMP_NUM_THREADS=1" for line in study), study

@@ -19,8 +19,7 @@ from scipy import stats as st
 from kvq_eval import provenance
 from kvq_eval.cli import main
 from kvq_eval.reproduce import compare_runs, format_comparison
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.make_recipe import ROOT, recipe, tool_args
 
 
 def test_numerics_names_the_path_and_portable_environ_sets_every_knob():
@@ -171,21 +170,7 @@ NUMERICS = ROOT / "results" / "numerics"
 
 def _make_numerics_runs() -> list[list[str]]:
     """The ``kvq-eval`` argument lists of ``make numerics``'s recipe (``make -n``: printed, not run)."""
-    import shlex
-    import subprocess
-
-    text = subprocess.run(["make", "-n", "-s", "-C", str(ROOT), "numerics"], capture_output=True, text=True,
-                          check=True).stdout
-    lines = text.replace("\\\n", " ").splitlines()  # a recipe line continued with a backslash is one command
-    runs = []
-    for line in lines:
-        if "kvq-eval" not in line:  # e.g. the venv's recipe where the stamp is older than pyproject.toml
-            continue
-        argv = shlex.split(line)
-        i = next((j for j, a in enumerate(argv) if a.endswith("kvq-eval")), None)
-        if i is not None:
-            runs.append(argv[i + 1:])
-    return runs
+    return tool_args(recipe("numerics"), "kvq-eval")
 
 
 @pytest.mark.skipif(not (NUMERICS / "smollm2.json").exists(), reason="results/numerics is not committed yet")

@@ -18,23 +18,19 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.make_recipe import ROOT, recipe, tool_args
+
 REPRO = ROOT / "results" / "repro"
 CELL = "smollm2/niah/single_ctx1024_d0.5_s0.json"
 
 
 def _make_repro_argv() -> list[str]:
     """``make repro``'s ``kvq-eval run`` arguments (printed by ``make -n``, not run), without --out."""
-    import shlex
-
-    lines = subprocess.run(["make", "-n", "-s", "-C", str(ROOT), "repro"], capture_output=True, text=True,
-                           check=True).stdout.splitlines()
-    argv = next(shlex.split(line)[2:] for line in lines if "kvq-eval run" in line)
+    (argv,) = tool_args(recipe("repro"), "kvq-eval", "run")
     i = argv.index("--out")
     assert argv[i + 1] == "results/repro"
     return argv[:i] + argv[i + 2:]
