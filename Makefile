@@ -61,8 +61,8 @@ eval: $(STAMP)
 	$(EVAL_RUN) --model smollm2 --methods tq_mse2,tq_mse3,tq_mse4,nova,quarot2,quarot2_official --band none --band 64,256 --tasks niah,decode --prefill exact,quantized $(NEEDLES) --ctx 1024 --decode 1024,512,2
 	$(EVAL_RUN) --model smollm2 --methods $(EVAL_2TO4) --band 64,256 --tasks decode --decode 1024,512,2
 	$(EVAL_RUN) --model smollm2 --methods tq_mse3,tq_mse4,tq_mse3-mc,tq_mse4-mc,tq_split3.5,tq_split3.5-mc,quarot4,quarot4-mc,tq_k4v2,tq_k5v3,tq_k8v4,tq_k5v3-mc --band none --band 0,64 --band 0,256 --tasks ppl,layers $(PPL)
-	# single needles at 4K and 8K for the key study at the planner's band 0,64 (its uniform baselines and
-	# the README's picks come from there; kvq-plan study copies these entries instead of rerunning them)
+	# single needles at 4K and 8K for the key study at the planner's band 0,64, where the README's cheapest
+	# picks and the plan study's uniform baselines can come from (kvq-plan study copies these entries)
 	$(EVAL_RUN) --model smollm2 --methods tq_mse3,tq_mse4,tq_mse3-mc,tq_mse4-mc,tq_split3.5,tq_split3.5-mc,quarot4,quarot4-mc,tq_k4v2,tq_k5v3,tq_k8v4,tq_k5v3-mc --band 0,64 --tasks niah --variants single $(NEEDLES) --ctx 4096,8192
 	$(EVAL_RUN) --model smollm2 --methods tq_mse3,tq_mse3-mc --band 4,64 --tasks ppl --ppl-windows 8192x7  # the sink test (kvq-eval sink)
 	$(EVAL_RUN) --model gemma3 --methods $(EVAL_2TO4) --band none --band 64,256 --tasks ppl,layers $(PPL)
