@@ -53,6 +53,9 @@ EVAL_RUN  = $(ONE_THREAD) $(VENV)/bin/kvq-eval run $(if $(RAY),--ray $(RAY)) $(i
 EVAL_2TO4 := tq_mse2,tq_mse3,tq_mse4,tq_prod3,tq_prod4,tq_split2.5,tq_split3.5,qjl,polarquant,kivi2,kivi4,quarot2,quarot4,turbo3,turbo4,oscar,nova,quarot2_official,quarot4_official,oscar_official,nova_official
 NEEDLES := --depths 0.1,0.3,0.5,0.7,0.9 --samples 6
 PPL := --ppl-windows 1024x8,8192x7
+# the key-error study's settings: SmolLM2's at every band, Gemma-3's at band 0,64
+KEY_SMOLLM2 := tq_mse3,tq_mse4,tq_mse3-mc,tq_mse4-mc,tq_split3.5,tq_split3.5-mc,quarot4,quarot4-mc,tq_k4v2,tq_k5v3,tq_k8v4,tq_k5v3-mc
+KEY_GEMMA3_0_64 := tq_mse4,tq_k5v3,tq_mse3-mc,tq_mse4-mc,tq_k5v3-mc
 eval: $(STAMP)
 	$(EVAL_RUN) --model smollm2 --methods $(EVAL_2TO4) --band none --band 64,256 --tasks ppl,layers $(PPL)
 	$(EVAL_RUN) --model smollm2 --methods nova,nova_official --band 1,0 --tasks ppl,layers $(PPL)
@@ -60,10 +63,10 @@ eval: $(STAMP)
 	$(EVAL_RUN) --model smollm2 --methods nova,nova_official --band 1,0 --tasks niah $(NEEDLES) --ctx 1024,4096,8192
 	$(EVAL_RUN) --model smollm2 --methods tq_mse2,tq_mse3,tq_mse4,nova,quarot2,quarot2_official --band none --band 64,256 --tasks niah,decode --prefill exact,quantized $(NEEDLES) --ctx 1024 --decode 1024,512,2
 	$(EVAL_RUN) --model smollm2 --methods $(EVAL_2TO4) --band 64,256 --tasks decode --decode 1024,512,2
-	$(EVAL_RUN) --model smollm2 --methods tq_mse3,tq_mse4,tq_mse3-mc,tq_mse4-mc,tq_split3.5,tq_split3.5-mc,quarot4,quarot4-mc,tq_k4v2,tq_k5v3,tq_k8v4,tq_k5v3-mc --band none --band 0,64 --band 0,256 --tasks ppl,layers $(PPL)
+	$(EVAL_RUN) --model smollm2 --methods $(KEY_SMOLLM2) --band none --band 0,64 --band 0,256 --tasks ppl,layers $(PPL)
 	# single needles at 4K and 8K for the key study at the planner's band 0,64, where the README's cheapest
 	# picks and the plan study's uniform baselines can come from (kvq-plan study copies these entries)
-	$(EVAL_RUN) --model smollm2 --methods tq_mse3,tq_mse4,tq_mse3-mc,tq_mse4-mc,tq_split3.5,tq_split3.5-mc,quarot4,quarot4-mc,tq_k4v2,tq_k5v3,tq_k8v4,tq_k5v3-mc --band 0,64 --tasks niah --variants single $(NEEDLES) --ctx 4096,8192
+	$(EVAL_RUN) --model smollm2 --methods $(KEY_SMOLLM2) --band 0,64 --tasks niah --variants single $(NEEDLES) --ctx 4096,8192
 	$(EVAL_RUN) --model smollm2 --methods tq_mse3,tq_mse3-mc --band 4,64 --tasks ppl --ppl-windows 8192x7  # the sink test (kvq-eval sink)
 	$(EVAL_RUN) --model gemma3 --methods $(EVAL_2TO4) --band none --band 64,256 --tasks ppl,layers $(PPL)
 	$(EVAL_RUN) --model gemma3 --methods nova,nova_official --band 1,0 --tasks ppl,layers $(PPL)
@@ -75,8 +78,8 @@ eval: $(STAMP)
 	# Gemma's key-error study: mean-centred keys, K/V bit splits, recent-token windows
 	$(EVAL_RUN) --model gemma3 --methods tq_mse3-mc,tq_mse4-mc --band none --tasks niah,ppl,layers --variants single $(NEEDLES) --ctx 1024 $(PPL)
 	$(EVAL_RUN) --model gemma3 --methods tq_k5v3,tq_k8v4 --band none --tasks ppl --ppl-windows 8192x7
-	$(EVAL_RUN) --model gemma3 --methods tq_mse4,tq_k5v3,tq_mse3-mc,tq_mse4-mc,tq_k5v3-mc --band 0,64 --tasks ppl --ppl-windows 8192x7
-	$(EVAL_RUN) --model gemma3 --methods tq_mse4,tq_k5v3,tq_mse3-mc,tq_mse4-mc,tq_k5v3-mc --band 0,64 --tasks niah --variants single $(NEEDLES) --ctx 4096,8192
+	$(EVAL_RUN) --model gemma3 --methods $(KEY_GEMMA3_0_64) --band 0,64 --tasks ppl --ppl-windows 8192x7
+	$(EVAL_RUN) --model gemma3 --methods $(KEY_GEMMA3_0_64) --band 0,64 --tasks niah --variants single $(NEEDLES) --ctx 4096,8192
 	$(EVAL_RUN) --model gemma3 --methods tq_mse4,tq_k5v3 --band 0,256 --tasks ppl --ppl-windows 8192x7
 	[ -n "$(DRY)" ] || for m in smollm2 gemma3; do $(ONE_THREAD) $(VENV)/bin/kvq-eval sink --model $$m --tokens 2048 --window 64 --bits 3 \
 	  --out $(EVAL_OUT)/$$m/sink_tq3_w64.json; done
